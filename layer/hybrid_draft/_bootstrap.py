@@ -1,0 +1,125 @@
+"""Start-up hook: the wheel's ``hybrid_draft.pth`` imports this module in every Python process.
+
+It must cost almost nothing and never fail, so it imports only what the interpreter has
+already loaded and does one thing: put a finder at the front of ``sys.meta_path`` that
+notices when vLLM's model loader package is imported. After that module has executed, and
+before anything else can import ``get_model`` from it, the finder hands the module to
+``hybrid_draft.adapter``, which wraps ``get_model``. Processes that never load a model
+(pip, the API server's front end, tools) never import vLLM, torch or structlog through us.
+
+Modelled on virtualenv's ``_virtualenv.py`` and wrapt's post-import hooks. Python 3.15+
+runs :func:`install` from ``hybrid_draft.start`` (PEP 829) instead of the ``.pth`` line.
+"""
+
+from __future__ import annotations
+
+import sys
+
+#: Modules whose execution triggers a hook, and the hook (``module:function``) to call.
+HOOKS = {"vllm.model_executor.model_loader": "hybrid_draft.adapter.patch:on_model_loader"}
+
+#: Set this variable to a non-empty value other than 0 to keep the layer out of a process.
+DISABLE_ENV = "HYBRID_DRAFT_DISABLE"
+
+_MARK = "_hybrid_draft_finder"
+
+
+def _report(stage: str, exc: BaseException) -> None:
+    """Say on stderr that the layer failed, without ever raising (stdlib JSON fallback)."""
+    try:
+        from hybrid_draft.events import emit
+
+        emit("hybrid_draft.patch_skipped", "warning", reason=f"{stage}: {exc!r}",
+             vllm_version=_vllm_version())
+    except BaseException:  # noqa: BLE001 - the interpreter must survive anything here
+        try:
+            import json
+            import os
+            import time
+
+            line = json.dumps({
+                "event": "hybrid_draft.patch_skipped", "level": "warning",
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "pid": os.getpid(), "reason": f"{stage}: {exc!r}",
+                "vllm_version": _vllm_version(),
+            })
+            sys.stderr.write(line + "\n")
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+def _vllm_version() -> str | None:
+    vllm = sys.modules.get("vllm")
+    return getattr(vllm, "__version__", None)
+
+
+def _run_hook(fullname: str, module: object) -> None:
+    try:
+        target = HOOKS[fullname]
+        mod_name, _, func_name = target.partition(":")
+        __import__(mod_name)
+        getattr(sys.modules[mod_name], func_name)(module)
+    except BaseException as exc:  # noqa: BLE001 - never break the import of vLLM
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        _report(f"hook for {fullname}", exc)
+
+
+class PostImportFinder:
+    """A meta-path finder that finds nothing itself; it decorates the real loader's spec."""
+
+    _hybrid_draft_finder = True
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        if fullname not in HOOKS:
+            return None
+        for finder in sys.meta_path:
+            if getattr(finder, _MARK, False) or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = getattr(spec, "loader", None)
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None or getattr(exec_module, _MARK, False):
+            return spec
+
+        def exec_then_hook(module: object) -> None:
+            exec_module(module)
+            _run_hook(fullname, module)
+
+        exec_then_hook._hybrid_draft_finder = True  # type: ignore[attr-defined]
+        try:
+            loader.exec_module = exec_then_hook  # type: ignore[union-attr]
+        except (AttributeError, TypeError):
+            return spec
+        return spec
+
+
+def installed() -> bool:
+    """Whether a hybrid-draft finder is on ``sys.meta_path`` in this process."""
+    return any(getattr(f, _MARK, False) for f in sys.meta_path)
+
+
+def install() -> None:
+    """Install the finder once (a second call, or a second ``.pth`` pass, does nothing)."""
+    try:
+        import os
+
+        if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
+            return
+        if not installed():
+            sys.meta_path.insert(0, PostImportFinder())
+        for fullname in HOOKS:
+            module = sys.modules.get(fullname)
+            if module is not None:  # imported before us (e.g. install() called late)
+                _run_hook(fullname, module)
+    except BaseException as exc:  # noqa: BLE001 - a .pth line must never break start-up
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        _report("install", exc)
+
+
+install()

@@ -1,0 +1,97 @@
+"""Reading vLLM's configs into policy inputs, and building the draft's load configs.
+
+vLLM loads a speculative draft along three routes, and each hands ``get_model`` its
+configs differently: the V1 ``EagleProposer`` passes ``load_config=``; model runner v2's
+``load_eagle_model`` swaps ``vllm_config.load_config``; the standalone ``draft_model``
+proposers pass neither (their ``vllm_config.model_config`` is the draft's). The draft is
+recognised by identity with ``speculative_config.draft_model_config`` on all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hybrid_draft import policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """The configs one ``get_model`` call resolves to, as vLLM itself would resolve them."""
+
+    vllm_config: Any
+    model_config: Any
+    load_config: Any
+    speculative_config: Any
+
+    @classmethod
+    def resolve(cls, vllm_config: Any, model_config: Any = None, load_config: Any = None) -> Call:
+        return cls(
+            vllm_config=vllm_config,
+            model_config=model_config if model_config is not None else vllm_config.model_config,
+            load_config=load_config if load_config is not None else vllm_config.load_config,
+            speculative_config=getattr(vllm_config, "speculative_config", None),
+        )
+
+    @property
+    def is_draft(self) -> bool:
+        spec = self.speculative_config
+        draft = getattr(spec, "draft_model_config", None)
+        # ngram, suffix and custom proposers alias the target's config: no draft model.
+        return (draft is not None and self.model_config is draft
+                and draft is not getattr(spec, "target_model_config", None))
+
+    @property
+    def target_model_config(self) -> Any:
+        return getattr(self.speculative_config, "target_model_config", None) or (
+            self.vllm_config.model_config)
+
+    def request(self) -> policy.Request:
+        spec = self.speculative_config
+        explicit = getattr(spec, "draft_load_config", None)
+        role: policy.Role = "draft" if self.is_draft else "target"
+        return policy.Request(
+            role=role,
+            requested_format=str(self.load_config.load_format).lower(),
+            method=getattr(spec, "method", None),
+            explicit_draft_format=(str(explicit.load_format).lower()
+                                   if explicit is not None else None),
+            model=checkpoint_of(self.model_config),
+            target=checkpoint_of(self.target_model_config) if role == "draft" else None,
+        )
+
+
+def checkpoint_of(model_config: Any) -> policy.Checkpoint:
+    weights = getattr(model_config, "model_weights", None)
+    return policy.Checkpoint(
+        model=str(model_config.model),
+        revision=model_config.revision,
+        aliases=(str(weights),) if weights else (),
+    )
+
+
+def _field_names(load_config: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(load_config)}
+
+
+def lazy_load_config(load_config: Any) -> Any:
+    """A copy that loads with memory-mapped safetensors; the original is never mutated.
+
+    ``enable_multithread_load`` is dropped: vLLM's multi-thread iterator reads whole files,
+    which is what a lazy draft load is meant to avoid.
+    """
+    changes: dict[str, Any] = {"load_format": policy.SAFETENSORS}
+    if "safetensors_load_strategy" in _field_names(load_config):
+        changes["safetensors_load_strategy"] = "lazy"
+    extra = getattr(load_config, "model_loader_extra_config", None)
+    if isinstance(extra, dict) and "enable_multithread_load" in extra:
+        changes["model_loader_extra_config"] = {
+            k: v for k, v in extra.items() if k != "enable_multithread_load"
+        }
+    return dataclasses.replace(load_config, **changes)
+
+
+def selective_load_config(load_config: Any) -> Any:
+    """A copy that routes the draft to the registered selective loader."""
+    lazy = lazy_load_config(load_config)
+    return dataclasses.replace(lazy, load_format=policy.SELECTIVE_FORMAT)

@@ -1,0 +1,79 @@
+"""Cold-cache measurement helpers: evict files from the page cache, count resident pages,
+bytes read from storage, and peak RSS. Linux only (posix_fadvise, mincore, /proc)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import resource
+from collections.abc import Iterable
+
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def resident_pages(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(resident, total) pages of one file in the page cache, by ``mincore``."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0, 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        try:
+            pages = (size + PAGE - 1) // PAGE
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {path}")
+            return sum(b & 1 for b in vec), pages
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def resident_bytes(paths: Iterable[str | os.PathLike[str]]) -> int:
+    return sum(resident_pages(p)[0] for p in paths) * PAGE
+
+
+def evict(paths: Iterable[str | os.PathLike[str]]) -> int:
+    """Drop every page of ``paths`` from the page cache; return the pages still resident."""
+    left = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        left += resident_pages(path)[0]
+    return left
+
+
+def read_bytes() -> int:
+    """Bytes this process (all its threads) caused to be fetched from storage."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise OSError("/proc/self/io has no read_bytes")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def peak_rss() -> int:
+    """The process's peak resident set size in bytes (``ru_maxrss`` is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,299 @@
+"""``hybrid-draft bench``: what a draft load costs under each strategy, cold, against the
+storage's physical limit, plus the layer's start-up cost. Prints a table, writes
+``OUT/bench.json`` and ``OUT/bench.png``. A benchmark, not a test: it asserts nothing.
+
+The checkpoint is a synthetic DeepSeek-V3-style MoE export (MLA attention, routed and
+shared experts, one MTP layer at the end, the shared embedding in the first shard), with
+tensors of 4 to 64 MiB, shards of about 1 GiB and the draft at about 4 % of the bytes. The
+draft's tensors are those ``DeepSeekMTP`` loads, by the rule hybrid-draft installs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+LAYOUT_VERSION = 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", type=float, default=8.0, help="checkpoint size in GiB (default 8)")
+    p.add_argument("--runs", type=int, default=3, help="cold runs per strategy (default 3)")
+    p.add_argument("--out", default="bench-out", help="where bench.json and bench.png go")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint directory (default OUT/checkpoint-SIZEGiB; reused)")
+    p.add_argument("--strategies", default=None,
+                   help="comma-separated subset (default: every CPU strategy, and the GPU "
+                        "ones when CUDA is present)")
+    p.add_argument("--startup-runs", type=int, default=40,
+                   help="interpreter starts per variant for the .pth cost (0 skips)")
+    p.add_argument("--hook-runs", type=int, default=3,
+                   help="fresh processes timing the model-loader hook (0 skips)")
+
+
+# --- the checkpoint ---------------------------------------------------------------------
+
+
+def _dims(hidden: int) -> dict[str, int]:
+    return dict(
+        hidden_size=hidden, vocab_size=hidden, intermediate_size=hidden,
+        moe_intermediate_size=hidden // 8, num_attention_heads=max(1, hidden // 128),
+        q_lora_rank=hidden * 3 // 8, kv_lora_rank=hidden // 8, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+    )
+
+
+def bench_layout(size_bytes: int) -> Any:
+    """A DeepSeek-V3-style layout of about ``size_bytes``: the widest that has 8+ layers."""
+    from hybrid_draft import synth
+
+    for hidden in (4096, 2048, 1024, 512, 256):
+        dims = _dims(hidden)
+        two = synth.deepseek_v3("tiny", **dims, num_hidden_layers=2).nbytes
+        per_layer = synth.deepseek_v3("tiny", **dims, num_hidden_layers=3).nbytes - two
+        layers = round((size_bytes - two) / per_layer) + 2
+        if layers >= 8 or hidden == 256:
+            return synth.deepseek_v3("tiny", **dims, num_hidden_layers=max(layers, 2))
+    raise AssertionError("unreachable")
+
+
+def prepare_checkpoint(directory: Path, size_gib: float) -> Path:
+    """Write the checkpoint unless one of the same size and layout version is there."""
+    from hybrid_draft import synth
+
+    stamp = directory / "bench-layout.json"
+    want = {"size_gib": size_gib, "version": LAYOUT_VERSION}
+    if stamp.is_file() and json.loads(stamp.read_text()) == want:
+        return directory
+    size = int(size_gib * GIB)
+    layout = bench_layout(size)
+    shard_bytes = GIB if size >= 4 * GIB else max(size // 8, 1 << 20)
+    shards = synth.shard(layout, shard_bytes=shard_bytes)
+    print(f"writing a {size_gib:g} GiB checkpoint to {directory} ...", flush=True)
+    synth.write_checkpoint(directory, layout, shards, fill="noise", seed=1)
+    stamp.write_text(json.dumps(want))
+    return directory
+
+
+# --- the plan the strategies share -------------------------------------------------------
+
+
+def draft_plan(directory: Path) -> dict[str, Any]:
+    from hybrid_draft import checkpoint, plan
+    from hybrid_draft.adapter import inspect
+
+    shards = checkpoint.read_checkpoint(directory)
+    draft = inspect.mtp_draft(str(directory))
+    if draft.is_unused is None:
+        raise SystemExit(f"{directory}: the draft class {draft.draft_class} has no rule")
+    reads = plan.modes(shards, draft.is_unused, draft.vllm_rule)
+    keep = draft.is_unused
+    ranges = [(str(s.path), t.start, t.end, t.name) for s in shards for t in s.tensors
+              if not keep(t.name)]
+    meta = {t.name: (t.dtype, list(t.shape)) for s in shards for t in s.tensors
+            if not keep(t.name)}
+    by_name = {s.name: str(s.path) for s in shards}
+    return {
+        "draft_class": draft.draft_class,
+        "rule_source": draft.rule_source,
+        "files_all": [str(s.path) for s in shards],
+        "files_pruned": [by_name[n] for n in reads["lazy_pruned"].shards],
+        "tensor_ranges": ranges,
+        "meta": meta,
+        "checkpoint": {"shards": len(shards), "tensors": sum(len(s.tensors) for s in shards),
+                       "bytes": sum(s.nbytes for s in shards),
+                       "draft_bytes": reads["selective"].nbytes,
+                       "draft_tensors": reads["selective"].tensors,
+                       "draft_shards": len(reads["selective"].shards)},
+    }
+
+
+# --- running and reporting ---------------------------------------------------------------
+
+
+def _worker_env() -> dict[str, str]:
+    from hybrid_draft.bench.startup import cuda_available
+
+    env = dict(os.environ)
+    if not cuda_available():
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    return env
+
+
+def run_strategy(name: str, shared: dict[str, Any], runs: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {**shared, "strategy": name, "runs": runs, "device": "cuda:0",
+                "result_file": os.path.join(tmp, "result.json")}
+        spec_file = os.path.join(tmp, "spec.json")
+        Path(spec_file).write_text(json.dumps(spec))
+        subprocess.run([sys.executable, "-m", "hybrid_draft.bench.strategies", spec_file],
+                       check=True, env=_worker_env(), stdout=subprocess.DEVNULL)
+        return json.loads(Path(spec["result_file"]).read_text())
+
+
+def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+    seconds = raw["seconds"]
+    median = statistics.median(seconds)
+    i = min(range(len(seconds)), key=lambda k: abs(seconds[k] - median))
+    return {
+        "seconds": seconds,
+        "median_seconds": median,
+        "min_seconds": min(seconds),
+        "max_seconds": max(seconds),
+        "bytes_read": raw["bytes_read"][i],
+        "resident_bytes": raw["resident_bytes"][i],
+        "peak_rss": raw["peak_rss"],
+        "rss_before": raw["rss_before"],
+        "cold": all(raw["cold"]),
+        "gb_per_s": raw["bytes_read"][i] / median / 1e9 if median > 0 else 0.0,
+    }
+
+
+def _ratios(strategies: dict[str, dict[str, Any]], reference: str, base: str) -> None:
+    ref = strategies.get(reference, {}).get("median_seconds")
+    full = strategies.get(base, {}).get("median_seconds")
+    for s in strategies.values():
+        t = s["median_seconds"]
+        s["vs_limit"] = t / ref if ref else None
+        s["full_pass_speedup"] = full / t if full and t else None
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 4 else f"{n / (1 << 20):.1f} MiB"
+
+
+def table(result: dict[str, Any], key: str = "strategies") -> str:
+    rows = [f"{'strategy':<14}{'median s':>10}{'spread s':>16}{'GB/s':>8}{'bytes read':>13}"
+            f"{'resident':>12}{'peak RSS':>11}{'/ limit':>9}{'full /':>8}"]
+    for name, s in result[key].items():
+        spread = f"{s['min_seconds']:.3f}-{s['max_seconds']:.3f}"
+        vs = f"{s['vs_limit']:.2f}x" if s.get("vs_limit") else "-"
+        up = f"{s['full_pass_speedup']:.1f}x" if s.get("full_pass_speedup") else "-"
+        rows.append(f"{name:<14}{s['median_seconds']:>10.3f}{spread:>16}{s['gb_per_s']:>8.2f}"
+                    f"{_fmt_bytes(s['bytes_read']):>13}{_fmt_bytes(s['resident_bytes']):>12}"
+                    f"{_fmt_bytes(s['peak_rss']):>11}{vs:>9}{up:>8}")
+    return "\n".join(rows)
+
+
+def chart(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [k for k in ("strategies", "gpu_strategies") if result.get(k)]
+    fig, axes = plt.subplots(1, len(groups), figsize=(7 * len(groups), 4.2), squeeze=False)
+    ck = result["checkpoint"]
+    for ax, key in zip(axes[0], groups):
+        names = list(result[key])
+        med = [result[key][n]["median_seconds"] for n in names]
+        lo = [m - result[key][n]["min_seconds"] for n, m in zip(names, med)]
+        hi = [result[key][n]["max_seconds"] - m for n, m in zip(names, med)]
+        bars = ax.bar(names, med, yerr=[lo, hi], capsize=4,
+                      color=["#b0b0b0" if n in ("full_pass", "it_full") else "#3b7dd8"
+                             for n in names])
+        for bar, n in zip(bars, names):
+            s = result[key][n]
+            ax.annotate(f"{_fmt_bytes(s['bytes_read'])}\n{s['gb_per_s']:.2f} GB/s",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("seconds (median of cold runs; bars: min-max)")
+        ax.set_title(f"{'GPU' if key == 'gpu_strategies' else 'CPU'} draft load, "
+                     f"{_fmt_bytes(ck['bytes'])} checkpoint, draft {_fmt_bytes(ck['draft_bytes'])}",
+                     fontsize=10)
+        ax.margins(y=0.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpus": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f
+                                if ln.startswith("model name")), None)
+        with open("/proc/meminfo") as f:
+            info["memory_bytes"] = int(f.readline().split()[1]) * 1024
+    except OSError:
+        pass
+    return info
+
+
+def main(args: argparse.Namespace) -> int:
+    from hybrid_draft.bench import startup
+    from hybrid_draft.bench.strategies import CPU_STRATEGIES, GPU_STRATEGIES
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    directory = Path(args.checkpoint or out / f"checkpoint-{args.size:g}GiB")
+    prepare_checkpoint(directory, args.size)
+    os.environ.update({k: v for k, v in _worker_env().items() if k == "VLLM_TARGET_DEVICE"})
+    shared = draft_plan(directory)
+    gpu = startup.cuda_available()
+    chosen = (args.strategies.split(",") if args.strategies
+              else [*CPU_STRATEGIES, *(GPU_STRATEGIES if gpu else ())])
+    unknown = set(chosen) - set(CPU_STRATEGIES) - set(GPU_STRATEGIES)
+    if unknown:
+        print(f"unknown strategies {sorted(unknown)}; accepted: "
+              f"{', '.join(CPU_STRATEGIES + GPU_STRATEGIES)}", file=sys.stderr)
+        return 2
+    result: dict[str, Any] = {"checkpoint": shared["checkpoint"],
+                              "draft_class": shared["draft_class"],
+                              "rule_source": shared["rule_source"],
+                              "runs": args.runs, "machine": machine(),
+                              "strategies": {}, "gpu_strategies": {}}
+    for name in chosen:
+        key = "gpu_strategies" if name in GPU_STRATEGIES else "strategies"
+        print(f"running {name} ({args.runs} cold runs) ...", flush=True)
+        result[key][name] = summarize(run_strategy(name, shared, args.runs))
+    _ratios(result["strategies"], "limit", "full_pass")
+    _ratios(result["gpu_strategies"], "it_selective", "it_full")
+    if not result["gpu_strategies"]:
+        del result["gpu_strategies"]
+    if args.startup_runs:
+        result["startup"] = startup.pth_cost(args.startup_runs)
+    if args.hook_runs:
+        result.setdefault("startup", {})["model_loader"] = startup.hook_cost(args.hook_runs)
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    chart(result, out / "bench.png")
+    print_report(result)
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
+
+
+def print_report(result: dict[str, Any]) -> None:
+    ck = result["checkpoint"]
+    print(f"\ncheckpoint: {ck['shards']} shards, {ck['tensors']} tensors, "
+          f"{_fmt_bytes(ck['bytes'])}; draft ({result['draft_class']}, rule: "
+          f"{result['rule_source']}): {ck['draft_tensors']} tensors in {ck['draft_shards']} "
+          f"shards, {_fmt_bytes(ck['draft_bytes'])} ({ck['draft_bytes'] / ck['bytes']:.1%})")
+    if result["strategies"]:
+        print("\nCPU, cold page cache, median of", result["runs"], "runs:")
+        print(table(result))
+    if result.get("gpu_strategies"):
+        print("\nGPU (CUDA), cold page cache:")
+        print(table(result, "gpu_strategies"))
+    st = result.get("startup", {})
+    if "added_median" in st:
+        print(f"\n.pth cost: python -c pass {st['python_c_pass']['median'] * 1e3:.1f} ms; "
+              f"site with the layer {st['site_with_layer']['median'] * 1e3:.2f} ms, without "
+              f"{st['site_without_layer']['median'] * 1e3:.2f} ms: "
+              f"{st['added_median'] * 1e3:+.2f} ms (median of {st['python_c_pass']['runs']})")
+    if "model_loader" in st:
+        ml = st["model_loader"]
+        print(f"hook cost: importing vllm.model_executor.model_loader takes "
+              f"{ml['model_loader_import']['median']:.2f} s; the hook adds "
+              f"{ml['hook']['median'] * 1e3:.1f} ms (median of {ml['hook']['runs']}, "
+              f"{ml['hook']['min'] * 1e3:.1f}-{ml['hook']['max'] * 1e3:.1f} ms)")

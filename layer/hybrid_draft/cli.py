@@ -1,0 +1,141 @@
+"""The ``hybrid-draft`` command: config, doctor, plan, bench, make-checkpoint, smoke."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _config(args: argparse.Namespace) -> int:
+    from hybrid_draft import settings
+
+    try:
+        current = settings.load()
+    except settings.ConfigError as exc:
+        print(f"hybrid-draft: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(current.as_dict(), indent=2))
+        return 0
+    state = "found" if current.config_exists else "absent, defaults apply"
+    print(f"config file  {current.config_path} ({state})")
+    for name, value in current.as_dict()["settings"].items():
+        print(f"{name:<12} {value['value']!s:<24} from {value['source']} ({value['origin']})")
+    return 0
+
+
+def _doctor(_args: argparse.Namespace) -> int:
+    from hybrid_draft import doctor
+
+    return doctor.run()
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import gc
+
+    from hybrid_draft import checkpoint, plan
+
+    # 92,000 header entries in a process holding vLLM: the cyclic GC would rescan the heap
+    # many times over (it doubles the plan's time); this short-lived command needs none.
+    gc.disable()
+
+    try:
+        shards = checkpoint.read_checkpoint(args.model_dir)
+    except (OSError, checkpoint.CheckpointError) as exc:
+        print(f"hybrid-draft plan: {exc}", file=sys.stderr)
+        return 2
+    from hybrid_draft.adapter import inspect
+
+    draft = inspect.mtp_draft(args.model_dir)
+    reads = plan.modes(shards, draft.is_unused, draft.vllm_rule)
+    result = plan.report(args.model_dir, draft.draft_class, draft.rule_source, shards, reads)
+    print(json.dumps(result, indent=2) if args.json else plan.table(result))
+    return 0
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hybrid_draft import synth
+
+    out = Path(args.out_dir)
+    if args.if_missing and (out / "config.json").is_file():
+        print(f"{out}: a checkpoint is already there; leaving it")
+        return 0
+    kwargs = {"moe": args.moe} if args.arch != "qwen3_5" else {}
+    layout = synth.ARCHITECTURES[args.arch](args.preset, **kwargs)
+    shards = synth.shard(layout, num_shards=args.shards, mtp_own_shard=args.mtp_own_shard)
+    synth.write_checkpoint(out, layout, shards, fill=args.fill, seed=args.seed)
+    if args.tokenizer:
+        synth.write_tokenizer(out, layout.config["vocab_size"])
+    print(f"{out}: {args.arch}/{args.preset}, {len(shards)} shards, "
+          f"{len(layout.tensors)} tensors, {layout.nbytes / 1e6:.1f} MB")
+    return 0
+
+
+def _smoke(args: argparse.Namespace) -> int:
+    from hybrid_draft import smoke
+
+    return smoke.main(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from hybrid_draft.bench import run
+
+    return run.main(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybrid-draft", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("config", help="the effective settings and where each came from")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=_config)
+
+    d = sub.add_parser("doctor", help="check that the layer is installed, active and usable")
+    d.set_defaults(func=_doctor)
+
+    pl = sub.add_parser("plan", help="what a same-checkpoint MTP draft reads under each mode")
+    pl.add_argument("model_dir")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)
+
+    m = sub.add_parser("make-checkpoint", help="write a random-weight MTP checkpoint")
+    m.add_argument("out_dir")
+    m.add_argument("--arch", choices=["qwen3_5", "deepseek_v3", "glm4_moe"], default="qwen3_5")
+    m.add_argument("--preset", default="default")
+    m.add_argument("--shards", type=int, default=2)
+    m.add_argument("--mtp-own-shard", action=argparse.BooleanOptionalAction, default=True)
+    m.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True)
+    m.add_argument("--fill", choices=["normal", "noise", "sparse"], default="normal")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True)
+    m.add_argument("--if-missing", action="store_true",
+                   help="do nothing when OUT_DIR already holds a config.json")
+    m.set_defaults(func=_make_checkpoint)
+
+    s = sub.add_parser("smoke", help="check a running server: models, completions, "
+                                     "speculative metrics and the layer's events")
+    from hybrid_draft import smoke
+
+    smoke.add_arguments(s)
+    s.set_defaults(func=_smoke)
+
+    b = sub.add_parser("bench", help="the draft-load benchmark (CPU; GPU strategies with CUDA)")
+    from hybrid_draft.bench import run
+
+    run.add_arguments(b)
+    b.set_defaults(func=_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""``hybrid-draft doctor``: is the layer installed and active here, and will it work?
+
+One line per check, ``ok`` or ``FAIL``; any failure makes the command exit non-zero. The
+image runs it at build time, so a layer that is not active fails the build.
+"""
+
+from __future__ import annotations
+
+import site
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hybrid_draft import __version__, settings
+
+Check = tuple[bool, str]
+PTH = "hybrid_draft.pth"
+
+
+def _site_dirs() -> list[str]:
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
+    return [*dirs, *([user] if user else []), *sys.path]
+
+
+def check_installed() -> Check:
+    from hybrid_draft import _bootstrap
+
+    pth = next((Path(d) / PTH for d in _site_dirs() if (Path(d) / PTH).is_file()), None)
+    if pth is None:
+        return False, f"layer: {PTH} is not in any site-packages directory of {sys.executable}"
+    if "hybrid_draft._bootstrap" not in pth.read_text():
+        return False, f"layer: {pth} does not import hybrid_draft._bootstrap"
+    if not _bootstrap.installed():
+        reason = (f"{_bootstrap.DISABLE_ENV} is set" if _bootstrap.DISABLE_ENV in
+                  __import__("os").environ else "the .pth did not run (python -S?)")
+        return False, f"layer: {pth} is installed but its hook is not active ({reason})"
+    return True, f"layer: hybrid-draft {__version__} active in {sys.executable} via {pth}"
+
+
+def check_vllm() -> Check:
+    try:
+        import vllm.model_executor.model_loader as loader
+    except Exception as exc:  # noqa: BLE001 - report, never crash the doctor
+        return False, f"vllm: cannot import vllm.model_executor.model_loader: {exc!r}"
+    from hybrid_draft.adapter import patch
+
+    version = patch.vllm_version()
+    if getattr(loader.get_model, "__hybrid_draft_wrapped__", False):
+        return True, f"vllm: {version}, {patch.TARGET} is wrapped"
+    problem = patch.shape_problem(loader)
+    return False, f"vllm: {version}, get_model not wrapped: {problem or 'the hook did not run'}"
+
+
+def check_instanttensor() -> Check:
+    try:
+        import instanttensor
+    except Exception as exc:  # noqa: BLE001
+        return False, f"instanttensor: does not import: {exc!r}"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("instanttensor")
+    except PackageNotFoundError:
+        ver = getattr(instanttensor, "__version__", "unknown version")
+    from hybrid_draft.adapter.selective import tensor_filter_supported
+
+    problem = tensor_filter_supported()
+    selective = "selective mode available" if problem is None else f"selective falls back: {problem}"
+    return True, f"instanttensor: {ver} imports; {selective}"
+
+
+def check_config() -> Check:
+    try:
+        current = settings.load()
+    except settings.ConfigError as exc:
+        return False, f"config: {exc}"
+    where = current.config_path if current.config_exists else f"{current.config_path} (absent)"
+    return True, (f"config: mode={current.mode.value} ({current.mode.source}), "
+                  f"level={current.level.value}, file {where}")
+
+
+CHECKS: list[Callable[[], Check]] = [check_installed, check_config, check_vllm,
+                                     check_instanttensor]
+
+
+def run() -> int:
+    failed = 0
+    for check in CHECKS:
+        ok, line = check()
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {line}", flush=True)
+    return 1 if failed else 0

@@ -1,0 +1,149 @@
+"""The loader policy: what one ``get_model`` call should load with. Pure: no vLLM import.
+
+Inputs are plain values the adapter reads off vLLM's configs; the output is a
+:class:`Decision` whose ``reason`` is one of the stable codes in CONTRACT.md. The rules, in
+the order they apply:
+
+1. the target model is never touched (``target_model``);
+2. a load whose format is not InstantTensor is left alone: ``explicit_draft_loader`` when it
+   is the user's own ``draft_load_config``, ``not_instanttensor`` otherwise;
+3. mode ``instanttensor`` keeps InstantTensor (``mode_instanttensor``);
+4. mode ``safetensors`` switches every such draft, standalone ones too (``forced_safetensors``);
+5. modes ``auto`` and ``selective`` switch only a draft that reads the target's own
+   checkpoint (``same_checkpoint`` / ``selective``), else keep it (``different_checkpoint``).
+
+A selective decision the adapter cannot carry out becomes ``selective_fallback`` (lazy
+safetensors) through :func:`fall_back`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Literal
+
+INSTANTTENSOR = "instanttensor"
+SAFETENSORS = "safetensors"
+#: The load format of the registered selective loader (InstantTensor with a tensor filter).
+SELECTIVE_FORMAT = "instanttensor_selective"
+
+#: The draft's load format each mode aims for (what the compose smoke test expects).
+DRAFT_FORMAT_BY_MODE = {
+    "auto": SAFETENSORS,
+    "safetensors": SAFETENSORS,
+    "instanttensor": INSTANTTENSOR,
+    "selective": SELECTIVE_FORMAT,
+}
+
+Role = Literal["target", "draft"]
+Action = Literal["kept", "switched"]
+
+REASONS = (
+    "target_model", "not_instanttensor", "mode_instanttensor", "explicit_draft_loader",
+    "different_checkpoint", "same_checkpoint", "forced_safetensors", "selective",
+    "selective_fallback",
+)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where a model's weights come from: a local directory or a hub id, and a revision.
+
+    ``aliases`` are other names the same weights go by (vLLM's ``model_weights``).
+    """
+
+    model: str
+    revision: str | None = None
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One ``get_model`` call as the policy sees it."""
+
+    role: Role
+    requested_format: str
+    method: str | None = None
+    explicit_draft_format: str | None = None
+    #: The checkpoint this call loads, and (for a draft) the target's.
+    model: Checkpoint | None = None
+    target: Checkpoint | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    requested_format: str
+    chosen_format: str
+    detail: str | None = None
+
+    @property
+    def switched(self) -> bool:
+        return self.action == "switched"
+
+
+def _local_identity(model: str) -> str | None:
+    """The resolved path of a local checkpoint directory (symlinks, ``..``, trailing ``/``)."""
+    expanded = os.path.expanduser(model)
+    if os.path.isdir(expanded):
+        return os.path.realpath(expanded)
+    return None
+
+
+def _identity(model: str, revision: str | None) -> tuple[str, ...]:
+    local = _local_identity(model)
+    if local is not None:
+        # vLLM reads a local directory as it is; a revision does not select anything there.
+        return ("dir", local)
+    return ("hub", model.strip().strip("/"), revision or "")
+
+
+def same_checkpoint(draft: Checkpoint, target: Checkpoint) -> bool:
+    """Whether the draft reads the target's own checkpoint.
+
+    Compared on identity, not strings: a local directory is the same whichever symlink,
+    relative path or trailing slash names it. A draft with no revision reads the target's
+    revision, because vLLM builds the MTP draft config with ``revision=None`` even when the
+    target is served with ``--revision``.
+    """
+    revision = draft.revision if draft.revision is not None else target.revision
+    mine = _identity(draft.model, revision)
+    return any(mine == _identity(name, target.revision) for name in (target.model, *target.aliases))
+
+
+def decide(request: Request, mode: str) -> Decision:
+    """The decision for one call under ``mode`` (one of settings.MODES)."""
+    requested = request.requested_format
+
+    def kept(reason: str) -> Decision:
+        return Decision("kept", reason, requested, requested)
+
+    def switched(reason: str, chosen: str = SAFETENSORS) -> Decision:
+        return Decision("switched", reason, requested, chosen)
+
+    if request.role == "target":
+        return kept("target_model")
+    if requested != INSTANTTENSOR:
+        explicit = request.explicit_draft_format
+        return kept("explicit_draft_loader" if explicit == requested else "not_instanttensor")
+    if mode == "instanttensor":
+        return kept("mode_instanttensor")
+    if mode == "safetensors":
+        return switched("forced_safetensors")
+    if mode not in ("auto", "selective"):
+        raise ValueError(f"mode={mode!r}: accepted values are auto, safetensors, "
+                         "instanttensor, selective")
+    if request.model is None or request.target is None or not same_checkpoint(
+        request.model, request.target
+    ):
+        return kept("different_checkpoint")
+    if mode == "selective":
+        return switched("selective", SELECTIVE_FORMAT)
+    return switched("same_checkpoint")
+
+
+def fall_back(decision: Decision, detail: str) -> Decision:
+    """A selective decision that cannot stream selectively: lazy safetensors instead."""
+    return replace(decision, reason="selective_fallback", chosen_format=SAFETENSORS,
+                   detail=detail)

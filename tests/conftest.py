@@ -1,0 +1,265 @@
+"""Shared fixtures: tiny generated checkpoints, real vLLM on the CPU, event capture.
+
+The tests run in the environment scripts/test builds: the pinned vLLM, and the hybrid-draft
+wheel installed the way the image installs it, so its ``.pth`` is active in this very
+process and vLLM's ``get_model`` is the wrapped one. The only stand-ins are for
+InstantTensor's reads, which need CUDA: vLLM's ``instanttensor_weights_iterator`` (and, for
+the selective loader, ``instanttensor.safe_open``), replaced by recorders that read the same
+tensors with safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Before anything imports vLLM: the CPU platform, and a private inspection cache.
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="hybrid-draft-tests-"))
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+os.environ.setdefault("VLLM_CACHE_ROOT", str(_SESSION_TMP / "vllm-cache"))
+os.environ["HYBRID_DRAFT_CONFIG"] = str(_SESSION_TMP / "absent.toml")
+for _var in ("INSTANTTENSOR_DRAFT_LOADER", "HYBRID_DRAFT_LOG_LEVEL", "HYBRID_DRAFT_EVENTS_FILE",
+             "HYBRID_DRAFT_DISABLE"):
+    os.environ.pop(_var, None)
+
+from hybrid_draft import synth  # noqa: E402 - after the environment above
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
+
+# --- checkpoints -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ckpt_root() -> Path:
+    root = _SESSION_TMP / "checkpoints"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def _write(root: Path, name: str, layout: synth.Layout, **shard_kw: Any) -> Path:
+    out = root / name
+    if not (out / "config.json").exists():
+        synth.write_checkpoint(out, layout, synth.shard(layout, **shard_kw),
+                               seed=zlib.crc32(name.encode()) % 1000)
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen35(ckpt_root: Path) -> Path:
+    """Qwen3.5 text + one MTP layer, ``mtp.*`` in a shard of its own (3 shards)."""
+    return _write(ckpt_root, "qwen35", synth.qwen3_5("tiny"), num_shards=3, mtp_own_shard=True)
+
+
+@pytest.fixture(scope="session")
+def qwen35_copy(qwen35: Path, ckpt_root: Path) -> Path:
+    """The same bytes in another directory: a different checkpoint by identity."""
+    out = ckpt_root / "qwen35-copy"
+    if not out.exists():
+        shutil.copytree(qwen35, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def deepseek(ckpt_root: Path) -> Path:
+    """DeepSeek-V3 with MLA, no MoE, one MTP layer in a shard of its own."""
+    return _write(ckpt_root, "deepseek", synth.deepseek_v3("tiny", moe=False), num_shards=3,
+                  mtp_own_shard=True)
+
+
+@pytest.fixture(scope="session")
+def glm(ckpt_root: Path) -> Path:
+    """GLM-4.5-style MoE with one (MoE) MTP layer in a shard of its own."""
+    return _write(ckpt_root, "glm", synth.glm4_moe("tiny"), num_shards=3, mtp_own_shard=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_pair(ckpt_root: Path) -> tuple[Path, Path]:
+    """Two dense Qwen3 checkpoints: a target and a standalone draft (``draft_model``)."""
+    return (_write(ckpt_root, "qwen3-target", synth.qwen3("tiny"), num_shards=2),
+            _write(ckpt_root, "qwen3-draft", synth.qwen3("tiny"), num_shards=2))
+
+
+# --- events ------------------------------------------------------------------------------
+
+
+class Events:
+    """The layer's events file for one test, parsed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def all(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.all() if e["event"] == event]
+
+    def decisions(self, role: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.named("hybrid_draft.decision") if role in (None, e["role"])]
+
+
+@pytest.fixture
+def events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Events:
+    path = tmp_path / "events.jsonl"
+    monkeypatch.setenv("HYBRID_DRAFT_EVENTS_FILE", str(path))
+    return Events(path)
+
+
+# --- real vLLM on the CPU ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def vllm_runtime() -> Any:
+    """vLLM imported (the layer's hook fires here) and a one-process gloo world."""
+    import vllm.model_executor.model_loader as loader
+    from vllm.distributed import init_distributed_environment
+
+    init_distributed_environment(1, 0, f"file://{_SESSION_TMP / 'dist-init'}", 0, "gloo")
+    return loader
+
+
+def engine_config(model: str | Path, *, load_format: str = "instanttensor",
+                  speculative_config: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """The real ``EngineArgs(...).create_engine_config()`` for a tiny CPU model."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = dict(speculative_config or {"method": "mtp", "num_speculative_tokens": 1})
+    if "deepseek" in str(spec.get("model", model)) or "deepseek" in str(model):
+        kwargs.setdefault("attention_backend", "CPU_MLA")  # the AMX backend needs vllm._C
+        spec.setdefault("attention_backend", "CPU_MLA")
+    return EngineArgs(
+        model=str(model), load_format=load_format, speculative_config=spec,
+        skip_tokenizer_init=True, max_model_len=128, enforce_eager=True, dtype="float32",
+        **kwargs,
+    ).create_engine_config()
+
+
+class Loaded:
+    """The result of loading a target and its draft through real vLLM."""
+
+    def __init__(self, config: Any, target: Any, draft: Any) -> None:
+        self.config = config
+        self.target = target
+        self.draft = draft
+
+
+def load_target_and_draft(config: Any, route: str = "eagle") -> Loaded:
+    """Load the target with ``get_model`` and the draft by one of vLLM's own routes."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized
+    from vllm.model_executor.model_loader import get_model
+
+    with set_current_vllm_config(config):
+        ensure_model_parallel_initialized(1, 1)
+        target = get_model(vllm_config=config)
+        if route == "eagle":
+            from vllm.v1.spec_decode.eagle import EagleProposer
+
+            proposer = EagleProposer(config, torch.device("cpu"), runner=None)
+            proposer.load_model(target)
+            draft = proposer.model
+        elif route == "mrv2_eagle":
+            from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+
+            draft = load_eagle_model(target, config)
+        elif route == "draft_model":
+            from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+            proposer = DraftModelProposer(config, torch.device("cpu"), runner=None)
+            proposer.load_model(target)
+            draft = proposer.model
+        elif route == "mrv2_standalone":
+            from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import (
+                StandaloneARSpeculator,
+            )
+
+            draft = StandaloneARSpeculator(config, torch.device("cpu")).load_draft_model(
+                target, set())
+        else:
+            raise ValueError(f"route={route!r}")
+    return Loaded(config, target, draft)
+
+
+class Recorder:
+    """Calls of a weights iterator: its files (base names) and keyword arguments.
+
+    ``real`` sends later calls to the real function instead (for InstantTensor: proof that
+    a call reached it, since on the CPU it refuses with "InstantTensor requires NVIDIA GPUs").
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.real = False
+
+    def files(self) -> list[list[str]]:
+        return [c["files"] for c in self.calls]
+
+
+@pytest.fixture
+def instanttensor_standin(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Replace vLLM's InstantTensor iterator (CUDA only) by a recorder reading the same
+    tensors lazily; nothing else in vLLM is replaced."""
+    import vllm.model_executor.model_loader.default_loader as default_loader
+    import vllm.model_executor.model_loader.weight_utils as weight_utils
+
+    real_lazy = weight_utils.safetensors_weights_iterator
+    real_instanttensor = default_loader.instanttensor_weights_iterator
+    recorder = Recorder()
+
+    def standin(hf_weights_files: list[str], use_tqdm_on_load: bool,
+                local_expert_ids: Any = None, **kwargs: Any) -> Iterator[Any]:
+        recorder.calls.append({"files": sorted(Path(f).name for f in hf_weights_files),
+                               "local_expert_ids": local_expert_ids, **kwargs})
+        if recorder.real:
+            return real_instanttensor(hf_weights_files, use_tqdm_on_load, local_expert_ids,
+                                      **kwargs)
+        return real_lazy(hf_weights_files, use_tqdm_on_load, "lazy")
+
+    monkeypatch.setattr(default_loader, "instanttensor_weights_iterator", standin)
+    monkeypatch.setattr(weight_utils, "instanttensor_weights_iterator", standin)
+    return recorder
+
+
+@pytest.fixture
+def lazy_spy(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Record calls of vLLM's real safetensors iterator (it still does the reading)."""
+    import vllm.model_executor.model_loader.default_loader as default_loader
+
+    real = default_loader.safetensors_weights_iterator
+    recorder = Recorder()
+
+    def spy(hf_weights_files: list[str], use_tqdm_on_load: bool,
+            safetensors_load_strategy: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        recorder.calls.append({"files": sorted(Path(f).name for f in hf_weights_files),
+                               "strategy": safetensors_load_strategy})
+        return real(hf_weights_files, use_tqdm_on_load, safetensors_load_strategy, *args,
+                    **kwargs)
+
+    monkeypatch.setattr(default_loader, "safetensors_weights_iterator", spy)
+    return recorder
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, Any]:
+    """Every tensor of a checkpoint, read with safetensors (the reference values)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out

@@ -1,0 +1,174 @@
+"""Activation through the installed ``.pth``, in fresh interpreters (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+SITE = Path(sysconfig.get_paths()["purelib"])
+
+
+def python(code: str, *, env: dict[str, str] | None = None, check: bool = True,
+           args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
+    return subprocess.run([sys.executable, *args, "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, env=full_env, check=check)
+
+
+def events_in(stderr: str) -> list[dict]:
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith('{"event"')]
+
+
+def test_wheel_installs_pth_and_start_at_the_site_root() -> None:
+    assert (SITE / "hybrid_draft.pth").read_text().strip() == "import hybrid_draft._bootstrap"
+    entry = (SITE / "hybrid_draft.start").read_text().strip()
+    import pkgutil
+
+    from hybrid_draft import _bootstrap
+
+    assert pkgutil.resolve_name(entry) is _bootstrap.install  # PEP 829 entry point
+
+
+def test_plain_interpreter_start_imports_nothing_heavy() -> None:
+    out = python("""
+        import sys
+        heavy = sorted(m for m in ('vllm', 'torch', 'structlog', 'hybrid_draft.adapter',
+                                   'hybrid_draft.events', 'tomllib') if m in sys.modules)
+        ours = sorted(m for m in sys.modules if m.startswith('hybrid_draft'))
+        finders = [type(f).__name__ for f in sys.meta_path]
+        print(heavy, ours, finders.count('PostImportFinder'))
+    """)
+    assert out.stdout.strip() == "[] ['hybrid_draft', 'hybrid_draft._bootstrap'] 1"
+    assert out.stderr == ""
+
+
+def test_vllm_model_loader_import_wraps_get_model_even_with_a_bad_config() -> None:
+    out = python("""
+        import inspect
+        import vllm.model_executor.model_loader as loader
+        from vllm.v1.spec_decode import llm_base_proposer, draft_model
+        gm = loader.get_model
+        original = gm.__wrapped__
+        print(gm.__hybrid_draft_wrapped__, gm.__name__, gm.__module__,
+              inspect.signature(gm) == inspect.signature(original),
+              llm_base_proposer.get_model is gm, draft_model.get_model is gm,
+              getattr(original, '__hybrid_draft_wrapped__', False))
+    """, env={"INSTANTTENSOR_DRAFT_LOADER": "bogus"})  # an invalid config breaks no import
+    assert out.stdout.split() == ["True", "get_model", "vllm.model_executor.model_loader",
+                                  "True", "True", "True", "False"]
+    kinds = [e["event"] for e in events_in(out.stderr)]
+    assert kinds == ["hybrid_draft.activated", "hybrid_draft.patched"]
+    patched = events_in(out.stderr)[1]
+    assert patched["target"] == "vllm.model_executor.model_loader.get_model"
+    assert patched["vllm_version"] == "0.33.0"
+
+
+def test_spawned_and_forked_children_are_patched(tmp_path: Path) -> None:
+    script = tmp_path / "children.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp
+
+        def child(queue):
+            import vllm.model_executor.model_loader as loader
+            queue.put(getattr(loader.get_model, "__hybrid_draft_wrapped__", False))
+
+        if __name__ == "__main__":
+            for method in ("spawn", "fork"):
+                ctx = mp.get_context(method)
+                queue = ctx.Queue()
+                p = ctx.Process(target=child, args=(queue,))
+                p.start()
+                print(method, queue.get(timeout=300))
+                p.join()
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         check=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert out.stdout.split() == ["spawn", "True", "fork", "True"]
+
+
+def test_running_twice_is_harmless() -> None:
+    out = python(f"""
+        import importlib, site, sys
+        import hybrid_draft._bootstrap as b
+        site.addsitedir({str(SITE)!r})      # the .pth processed a second time
+        b.install(); b.install()
+        importlib.reload(b); b.install()    # a re-executed bootstrap finds the first finder
+        import vllm.model_executor.model_loader as loader
+        from hybrid_draft.adapter.patch import on_model_loader
+        on_model_loader(loader)             # the hook run again
+        finders = [f for f in sys.meta_path if getattr(f, '_hybrid_draft_finder', False)]
+        print(len(finders), hasattr(loader.get_model.__wrapped__, '__wrapped__'))
+    """)
+    assert out.stdout.split() == ["1", "False"]
+    kinds = [e["event"] for e in events_in(out.stderr)]
+    assert kinds == ["hybrid_draft.activated", "hybrid_draft.patched"]
+
+
+def test_a_failing_layer_leaves_vllm_working(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "structlog.py").write_text("raise ImportError('structlog is broken here')\n")
+    out = python("""
+        import vllm.model_executor.model_loader as loader
+        print(callable(loader.get_model),
+              getattr(loader.get_model, '__hybrid_draft_wrapped__', False))
+    """, env={"PYTHONPATH": str(broken)})
+    assert out.stdout.split() == ["True", "False"]
+    (skipped,) = events_in(out.stderr)
+    assert skipped["event"] == "hybrid_draft.patch_skipped"
+    assert "structlog is broken here" in skipped["reason"]
+    assert skipped["vllm_version"] == "0.33.0"
+
+
+def test_disable_variable_and_late_install() -> None:
+    out = python("""
+        import os
+        import vllm.model_executor.model_loader as loader
+        before = getattr(loader.get_model, '__hybrid_draft_wrapped__', False)
+        del os.environ['HYBRID_DRAFT_DISABLE']
+        import hybrid_draft._bootstrap as b
+        b.install()                          # vLLM already imported: patched on the spot
+        print(before, loader.get_model.__hybrid_draft_wrapped__)
+    """, env={"HYBRID_DRAFT_DISABLE": "1"})
+    assert out.stdout.split() == ["False", "True"]
+
+
+def test_without_site_processing_nothing_happens() -> None:
+    out = python("import sys; print('hybrid_draft' in sys.modules)", args=("-S",))
+    assert out.stdout.strip() == "False"
+
+
+def test_unknown_get_model_shape_is_left_untouched(events) -> None:
+    from hybrid_draft.adapter import patch
+
+    def get_model(*, vllm_config: object) -> None:  # a vLLM without model/load_config
+        return None
+
+    module = types.ModuleType("vllm.model_executor.model_loader")
+    module.get_model = get_model
+    patch.on_model_loader(module)
+    assert module.get_model is get_model
+    skipped = events.named("hybrid_draft.patch_skipped")
+    assert len(skipped) == 1
+    assert skipped[0]["reason"] == "get_model has no parameter model_config, load_config"
+    assert [e["event"] for e in events.all()] == ["hybrid_draft.activated",
+                                                 "hybrid_draft.patch_skipped"]
+
+
+@pytest.mark.parametrize("module_text", ["", "get_model = 42\n"])
+def test_missing_get_model_is_skipped(module_text: str, events) -> None:
+    from hybrid_draft.adapter import patch
+
+    module = types.ModuleType("m")
+    exec(module_text, module.__dict__)
+    patch.on_model_loader(module)
+    assert events.named("hybrid_draft.patch_skipped")[0]["reason"].endswith(
+        "has no callable get_model")

@@ -1,0 +1,145 @@
+"""Settings: precedence (environment, file, default) and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid_draft import settings
+from hybrid_draft.settings import ConfigError
+
+ACCEPTED_MODES = "auto, safetensors, instanttensor, selective"
+
+
+def load(env: dict[str, str], toml: str | None = None, tmp: Path | None = None):
+    if toml is not None:
+        assert tmp is not None
+        path = tmp / "hybrid-draft.toml"
+        path.write_text(toml)
+        env = {"HYBRID_DRAFT_CONFIG": str(path), **env}
+    return settings.load(env)
+
+
+def test_defaults_without_a_file(tmp_path: Path) -> None:
+    s = settings.load({"HYBRID_DRAFT_CONFIG": str(tmp_path / "nothing.toml")})
+    assert (s.mode.value, s.mode.source) == ("auto", "default")
+    assert (s.level.value, s.events_file.value) == ("info", None)
+    assert not s.config_exists
+
+
+def test_default_path_is_etc() -> None:
+    assert settings.config_path({}) == "/etc/hybrid-draft.toml"
+
+
+def test_file_then_environment(tmp_path: Path) -> None:
+    toml = '[draft]\nmode = "Safetensors "\n[log]\nlevel = "DEBUG"\nevents_file = "/x/e.jsonl"\n'
+    s = load({}, toml, tmp_path)
+    assert (s.mode.value, s.mode.source, s.mode.origin) == (
+        "safetensors", "file", f"{tmp_path / 'hybrid-draft.toml'}:2")
+    assert (s.level.value, s.events_file.value) == ("debug", "/x/e.jsonl")
+    s = load({"INSTANTTENSOR_DRAFT_LOADER": " InstantTensor\n",
+              "HYBRID_DRAFT_EVENTS_FILE": " /y/e.jsonl"}, toml, tmp_path)
+    assert (s.mode.value, s.mode.source, s.mode.origin) == (
+        "instanttensor", "env", "INSTANTTENSOR_DRAFT_LOADER")
+    assert s.events_file.value == " /y/e.jsonl"  # paths are taken as given
+    assert s.level.source == "file"
+
+
+def test_empty_environment_variable_counts_as_unset(tmp_path: Path) -> None:
+    s = load({"INSTANTTENSOR_DRAFT_LOADER": "", "HYBRID_DRAFT_LOG_LEVEL": "  "},
+             '[draft]\nmode = "selective"\n', tmp_path)
+    assert (s.mode.value, s.mode.source) == ("selective", "file")
+    assert s.level.source == "default"
+
+
+def test_dotted_keys_and_comments(tmp_path: Path) -> None:
+    s = load({}, '# comment\ndraft.mode = "safetensors"  # trailing\n', tmp_path)
+    assert s.mode.origin.endswith(":2")
+
+
+@pytest.mark.parametrize(("env", "source", "fragment"), [
+    ({"INSTANTTENSOR_DRAFT_LOADER": "fast"}, "INSTANTTENSOR_DRAFT_LOADER", ACCEPTED_MODES),
+    ({"HYBRID_DRAFT_LOG_LEVEL": "loud"}, "HYBRID_DRAFT_LOG_LEVEL", "debug, info, warning, error"),
+])
+def test_bad_environment_values(env: dict[str, str], source: str, fragment: str,
+                                tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        settings.load({"HYBRID_DRAFT_CONFIG": str(tmp_path / "none.toml"), **env})
+    assert info.value.source == source
+    assert fragment in info.value.detail and repr(next(iter(env.values()))) in info.value.detail
+
+
+@pytest.mark.parametrize(("toml", "line", "fragment"), [
+    ('[draft]\nmode = "fast"\n', 2, ACCEPTED_MODES),
+    ('[draft]\nmode = 3\n', 2, "must be a string naming one of auto, safetensors"),
+    ('[draft]\nmode = "auto"\nloader = "x"\n', 3, "unknown key 'draft.loader'; accepted keys: "
+                                                  "draft.mode, log.level, log.events_file"),
+    ('[draft]\nmode = "auto"\n\n[cache]\nsize = 1\n', 4, "unknown key 'cache'"),
+    ('[log]\nevents_file = ""\n', 2, "non-empty path"),
+    ('[log]\nlevel = ["info"]\n', 2, "must be a string naming one of debug"),
+    ('draft = "auto"\n', 1, "'draft' must be a table"),
+    ('[draft]\nmode = "auto\n', 2, "invalid TOML"),
+])
+def test_bad_file_values_name_the_file_and_line(toml: str, line: int, fragment: str,
+                                                tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load({}, toml, tmp_path)
+    assert info.value.source == f"{tmp_path / 'hybrid-draft.toml'}:{line}"
+    assert fragment in info.value.detail
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the config file") as info:
+        settings.load({"HYBRID_DRAFT_CONFIG": str(tmp_path)})  # a directory
+    assert info.value.source == str(tmp_path)
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_bytes(b'[draft]\nmode = "\xff"\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        settings.load({"HYBRID_DRAFT_CONFIG": str(path)})
+
+
+def test_an_environment_value_does_not_hide_a_broken_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown key"):
+        load({"INSTANTTENSOR_DRAFT_LOADER": "auto"}, "[draft]\nmoed = 'auto'\n", tmp_path)
+
+
+def test_shipped_config_documents_every_key_with_its_default() -> None:
+    import tomllib
+
+    shipped = Path(__file__).resolve().parents[1] / "config" / "hybrid-draft.toml"
+    text = shipped.read_text()
+    data = tomllib.loads(text)
+    s = settings.load({"HYBRID_DRAFT_CONFIG": str(shipped)})
+    assert data == {"draft": {"mode": "auto"}, "log": {"level": "info"}}
+    assert (s.mode.value, s.level.value, s.events_file.value) == ("auto", "info", None)
+    for key in ("mode", "level", "events_file", "INSTANTTENSOR_DRAFT_LOADER",
+                "HYBRID_DRAFT_LOG_LEVEL", "HYBRID_DRAFT_EVENTS_FILE", "HYBRID_DRAFT_CONFIG"):
+        assert key in text
+    for mode in ACCEPTED_MODES.split(", "):
+        assert mode in text
+
+
+def test_config_command(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[draft]\nmode = "selective"\n')
+    env = {"PATH": "", "HYBRID_DRAFT_CONFIG": str(path), "HYBRID_DRAFT_LOG_LEVEL": "warning"}
+    cli = [sys.executable, "-m", "hybrid_draft.cli", "config"]
+    out = subprocess.run([*cli, "--json"], env=env, capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    assert data["settings"]["mode"] == {"value": "selective", "source": "file",
+                                        "origin": f"{path}:2"}
+    assert data["settings"]["level"]["source"] == "env"
+    assert data["config_file"] == {"path": str(path), "exists": True}
+    human = subprocess.run(cli, env=env, capture_output=True, text=True, check=True).stdout
+    assert "selective" in human and f"{path}:2" in human
+    bad = subprocess.run(cli, env={**env, "INSTANTTENSOR_DRAFT_LOADER": "nope"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert "INSTANTTENSOR_DRAFT_LOADER" in bad.stderr and ACCEPTED_MODES in bad.stderr
