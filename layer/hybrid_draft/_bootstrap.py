@@ -31,7 +31,7 @@ def _report(stage: str, exc: BaseException) -> None:
 
         emit("hybrid_draft.patch_skipped", "warning", reason=f"{stage}: {exc!r}",
              vllm_version=_vllm_version())
-    except BaseException:  # noqa: BLE001 - the interpreter must survive anything here
+    except BaseException:
         try:
             import json
             import os
@@ -44,7 +44,7 @@ def _report(stage: str, exc: BaseException) -> None:
                 "vllm_version": _vllm_version(),
             })
             sys.stderr.write(line + "\n")
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass
 
 
@@ -59,7 +59,7 @@ def _run_hook(fullname: str, module: object) -> None:
         mod_name, _, func_name = target.partition(":")
         __import__(mod_name)
         getattr(sys.modules[mod_name], func_name)(module)
-    except BaseException as exc:  # noqa: BLE001 - never break the import of vLLM
+    except BaseException as exc:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         _report(f"hook for {fullname}", exc)
@@ -116,7 +116,7 @@ def install() -> None:
             module = sys.modules.get(fullname)
             if module is not None:  # imported before us (e.g. install() called late)
                 _run_hook(fullname, module)
-    except BaseException as exc:  # noqa: BLE001 - a .pth line must never break start-up
+    except BaseException as exc:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         _report("install", exc)

@@ -41,7 +41,7 @@ def check_installed() -> Check:
 def check_vllm() -> Check:
     try:
         import vllm.model_executor.model_loader as loader
-    except Exception as exc:  # noqa: BLE001 - report, never crash the doctor
+    except Exception as exc:
         return False, f"vllm: cannot import vllm.model_executor.model_loader: {exc!r}"
     from hybrid_draft.adapter import patch
 
@@ -55,7 +55,7 @@ def check_vllm() -> Check:
 def check_instanttensor() -> Check:
     try:
         import instanttensor
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return False, f"instanttensor: does not import: {exc!r}"
     from importlib.metadata import PackageNotFoundError, version
 
@@ -66,7 +66,8 @@ def check_instanttensor() -> Check:
     from hybrid_draft.adapter.selective import tensor_filter_supported
 
     problem = tensor_filter_supported()
-    selective = "selective mode available" if problem is None else f"selective falls back: {problem}"
+    selective = ("selective mode available" if problem is None
+                 else f"selective falls back: {problem}")
     return True, f"instanttensor: {ver} imports; {selective}"
 
 

@@ -190,7 +190,9 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     return Settings(config_path=path, config_exists=parsed is not None, **result)
 
 
-def load_lenient(environ: Mapping[str, str] | None = None) -> tuple[Settings | None, ConfigError | None]:
+def load_lenient(
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Settings | None, ConfigError | None]:
     """Like :func:`load`, but returns the error instead of raising it."""
     try:
         return load(environ), None

@@ -55,7 +55,7 @@ def shape_problem(module: Any) -> str | None:
         from vllm.config.load import LoadConfig
 
         fields = {f.name for f in dataclasses.fields(LoadConfig)}
-    except Exception as exc:  # noqa: BLE001 - any failure means "not a shape we know"
+    except Exception as exc:
         return f"vllm.config.load.LoadConfig is not a dataclass: {exc!r}"
     if "load_format" not in fields:
         return "LoadConfig has no load_format field"
@@ -138,7 +138,7 @@ def _install_rule(call: configs.Call) -> str | None:
         from hybrid_draft.adapter.selective import draft_class
 
         return rules.install(draft_class(call.model_config))
-    except Exception:  # noqa: BLE001 - vLLM's own load will report an unknown class
+    except Exception:
         return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 from collections.abc import Generator, Iterable
 from typing import Any
 
@@ -40,7 +41,7 @@ class Plan:
 
 
 def make_plan(files: Iterable[str], is_unused: Any) -> Plan:
-    shards = checkpoint.read_files(files)
+    shards = checkpoint.read_files(sorted(files))
     keep = checkpoint.wanted(shards, is_unused)
     kept_names = {n for names in keep.values() for n in names}
     nbytes = sum(t.nbytes for s in shards for t in s.tensors if t.name in kept_names)
@@ -153,6 +154,7 @@ def _loader_class() -> type:
         def get_all_weights(
             self, model_config: Any, model: torch.nn.Module
         ) -> Generator[tuple[str, torch.Tensor], None, None]:
+            self.counter_before_loading_weights = time.perf_counter()
             is_unused = getattr(model, "is_unused_checkpoint_weight", None)
             if is_unused is None:
                 raise RuntimeError(f"{type(model).__name__} has no checkpoint-weight rule; "

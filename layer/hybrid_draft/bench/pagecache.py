@@ -75,5 +75,13 @@ def rss() -> int:
 
 
 def peak_rss() -> int:
-    """The process's peak resident set size in bytes (``ru_maxrss`` is in KiB on Linux)."""
+    """This process's peak resident set size in bytes (``VmHWM``).
+
+    Not ``ru_maxrss``: that survives ``exec`` and so reports the parent's size in a worker
+    started from a large process; ``VmHWM`` belongs to the address space exec replaces.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -194,15 +194,15 @@ def chart(result: dict[str, Any], path: Path) -> None:
     groups = [k for k in ("strategies", "gpu_strategies") if result.get(k)]
     fig, axes = plt.subplots(1, len(groups), figsize=(7 * len(groups), 4.2), squeeze=False)
     ck = result["checkpoint"]
-    for ax, key in zip(axes[0], groups):
+    for ax, key in zip(axes[0], groups, strict=True):
         names = list(result[key])
         med = [result[key][n]["median_seconds"] for n in names]
-        lo = [m - result[key][n]["min_seconds"] for n, m in zip(names, med)]
-        hi = [result[key][n]["max_seconds"] - m for n, m in zip(names, med)]
+        lo = [m - result[key][n]["min_seconds"] for n, m in zip(names, med, strict=True)]
+        hi = [result[key][n]["max_seconds"] - m for n, m in zip(names, med, strict=True)]
         bars = ax.bar(names, med, yerr=[lo, hi], capsize=4,
                       color=["#b0b0b0" if n in ("full_pass", "it_full") else "#3b7dd8"
                              for n in names])
-        for bar, n in zip(bars, names):
+        for bar, n in zip(bars, names, strict=True):
             s = result[key][n]
             ax.annotate(f"{_fmt_bytes(s['bytes_read'])}\n{s['gb_per_s']:.2f} GB/s",
                         (bar.get_x() + bar.get_width() / 2, bar.get_height()),

@@ -1,10 +1,10 @@
 """The draft-load strategies the benchmark times, each run cold in a worker process.
 
 ``python -m hybrid_draft.bench.strategies SPEC.json`` runs one strategy ``runs`` times and
-writes one JSON object to the spec's ``result_file``. Before every run each shard is evicted from the page cache and
-``mincore`` confirms it; a run reports wall seconds, bytes read from storage
-(``/proc/self/io``) and the checkpoint pages resident afterwards; the worker reports its
-peak RSS. One process per strategy keeps the RSS figures apart.
+writes one JSON object to the spec's ``result_file``. Before every run each shard is
+evicted from the page cache and ``mincore`` confirms it; a run reports wall seconds, bytes
+read from storage (``/proc/self/io``) and the checkpoint pages resident afterwards; the
+worker reports its peak RSS. One process per strategy keeps the RSS figures apart.
 
 CPU strategies: ``full_pass`` (every byte of every shard, as a second InstantTensor pass
 reads), ``lazy`` and ``lazy_pruned`` (vLLM's real ``safetensors_weights_iterator``, a

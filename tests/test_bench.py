@@ -1,0 +1,56 @@
+"""The benchmark runs once at a tiny scale, so that it cannot rot. It asserts no timings:
+only that it produced its JSON (the contract's shape) and its chart, from cold runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "selective", "limit")
+
+
+def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybrid_draft.cli", "bench", "--size", "0.05", "--runs", "2",
+         "--out", str(out), "--startup-runs", "3", "--hook-runs", "1"],
+        capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    ck = result["checkpoint"]
+    assert {"shards", "tensors", "bytes", "draft_bytes"} <= ck.keys()
+    assert 0 < ck["draft_bytes"] < ck["bytes"] and ck["shards"] >= 2
+    assert result["draft_class"] == "DeepSeekMTP" and result["rule_source"] == "hybrid-draft"
+    assert list(result["strategies"]) == list(STRATEGIES)
+    for name, s in result["strategies"].items():
+        assert len(s["seconds"]) == 2 and all(t > 0 for t in s["seconds"]), name
+        for key in ("bytes_read", "resident_bytes", "peak_rss"):
+            assert isinstance(s[key], int) and s[key] >= 0, (name, key)
+        assert s["cold"], f"{name}: the page cache could not be emptied before a run"
+    full, limit = result["strategies"]["full_pass"], result["strategies"]["limit"]
+    assert full["bytes_read"] >= ck["bytes"]  # cold: every byte came from storage
+    assert ck["draft_bytes"] <= limit["bytes_read"] < full["bytes_read"]
+
+    startup = result["startup"]
+    assert startup["python_c_pass"]["runs"] == 3
+    assert startup["model_loader"]["hook"]["runs"] == 1
+    for line in ("CPU, cold page cache", ".pth cost:", "hook cost:", "bench.json"):
+        assert line in proc.stdout, line
+
+    # A second run reuses the checkpoint instead of writing it again.
+    again = subprocess.run(
+        [sys.executable, "-m", "hybrid_draft.cli", "bench", "--size", "0.05", "--runs", "1",
+         "--out", str(out), "--strategies", "limit", "--startup-runs", "0", "--hook-runs", "0"],
+        capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "writing a" not in again.stdout
+    assert list(json.loads((out / "bench.json").read_text())["strategies"]) == ["limit"]

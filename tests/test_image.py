@@ -1,0 +1,304 @@
+"""The image, checked without a Docker engine: the Dockerfile (hadolint, ARGs, pins, what
+stays in the final stage), docker-bake.hcl (parsed and cross-checked), compose.yaml (the
+Compose specification's schema and vLLM's own argument parser), the install step, and the
+embedded default checkpoint loading through real vLLM."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import REPO, Events, Recorder, engine_config, load_target_and_draft
+
+BIN = Path(sys.executable).parent
+
+
+def pins() -> dict[str, str]:
+    out = {}
+    for line in (REPO / "pins.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose/bake-style ``${VAR}`` and ``${VAR:-default}`` (defaults may nest ``${}``)."""
+    pattern = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^${}]*))?\}")
+    while True:
+        new = pattern.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), text)
+        if new == text:
+            return new
+        text = new
+
+
+# --- Dockerfile ----------------------------------------------------------------------------
+
+
+def dockerfile_args() -> dict[str, str | None]:
+    args: dict[str, str | None] = {}
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        m = re.match(r"^ARG\s+([A-Z_]+)(?:=(\S+))?", line)
+        if m and (m.group(2) is not None or m.group(1) not in args):
+            args[m.group(1)] = m.group(2)
+    return args
+
+
+def test_hadolint_is_clean() -> None:
+    out = subprocess.run([str(BIN / "hadolint"), str(REPO / "Dockerfile")], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dockerfile_defaults_are_the_pins() -> None:
+    args, p = dockerfile_args(), pins()
+    assert args["VLLM_VERSION"] == p["vllm"]
+    assert args["INSTANTTENSOR_VERSION"] == p["instanttensor"]
+    assert args["BASE_IMAGE"] == f"vllm/vllm-openai:v{p['vllm']}"
+    from hybrid_draft import __version__
+
+    assert args["HYBRID_DRAFT_VERSION"] == __version__
+
+
+def test_pinned_torch_is_what_the_pinned_vllm_requires() -> None:
+    from importlib.metadata import requires, version
+
+    assert version("vllm") == pins()["vllm"] and version("torch") == pins()["torch"]
+    assert f"torch=={pins()['torch']}" in [r.replace(" ", "") for r in requires("vllm")]
+    assert version("instanttensor") == pins()["instanttensor"]
+
+
+def test_final_stage_keeps_only_the_installed_layer_and_the_config() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    final = text[text.rindex("\nFROM "):]
+    assert re.findall(r"^COPY\s.*$", final, re.M) == [
+        "COPY config/hybrid-draft.toml /etc/hybrid-draft.toml"]
+    run = final[final.index("\nRUN "):final.index("\nCOPY ")]
+    for mounted in ("from=wheel,source=/dist", "source=docker/install-layer.sh",
+                    "source=pins.txt"):
+        assert f"--mount=type=bind,{mounted}" in run
+    assert "sh /tmp/hybrid-draft/install-layer.sh" in run
+    assert "ENTRYPOINT" not in final and "CMD" not in final  # the base's entrypoint is kept
+    # The test environment runs the very same script (scripts/test).
+    assert "docker/install-layer.sh" in (REPO / "scripts" / "test").read_text()
+
+
+def test_layer_is_active_in_the_test_environment() -> None:
+    """scripts/test installed the layer with docker/install-layer.sh, as the image does."""
+    out = subprocess.run([str(BIN / "hybrid-draft"), "doctor"], capture_output=True, text=True,
+                         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["ok"] * 4
+    assert any("get_model is wrapped" in ln for ln in lines)
+
+
+def test_doctor_fails_on_a_bad_config(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[draft]\nmode = 'fastest'\n")
+    out = subprocess.run([str(BIN / "hybrid-draft"), "doctor"], capture_output=True, text=True,
+                         env={**os.environ, "HYBRID_DRAFT_CONFIG": str(bad),
+                              "VLLM_TARGET_DEVICE": "cpu"})
+    assert out.returncode == 1
+    assert f"FAIL config: {bad}:2" in out.stdout
+
+
+def test_doctor_fails_when_the_hook_is_disabled() -> None:
+    out = subprocess.run([str(BIN / "hybrid-draft"), "doctor"], capture_output=True, text=True,
+                         env={**os.environ, "HYBRID_DRAFT_DISABLE": "1",
+                              "VLLM_TARGET_DEVICE": "cpu"})
+    assert out.returncode == 1
+    assert "FAIL layer:" in out.stdout and "HYBRID_DRAFT_DISABLE is set" in out.stdout
+    assert "FAIL vllm:" in out.stdout
+
+
+# --- docker-bake.hcl -----------------------------------------------------------------------
+
+
+def bake() -> dict[str, Any]:
+    import hcl2
+
+    with open(REPO / "docker-bake.hcl") as f:
+        raw = hcl2.load(f)
+
+    def unquote(v: Any) -> Any:
+        if isinstance(v, str):
+            return v[1:-1] if len(v) >= 2 and v[0] == v[-1] == '"' else v
+        if isinstance(v, list):
+            return [unquote(x) for x in v]
+        if isinstance(v, dict):
+            return {unquote(k): unquote(x) for k, x in v.items() if k != "__is_block__"}
+        return v
+
+    out: dict[str, Any] = {}
+    for kind in ("variable", "group", "target"):
+        out[kind] = {k: v for block in unquote(raw.get(kind, [])) for k, v in block.items()}
+    return out
+
+
+def resolved_target(b: dict[str, Any], name: str) -> dict[str, Any]:
+    target = dict(b["target"][name])
+    merged: dict[str, Any] = {}
+    for parent in target.pop("inherits", []):
+        merged.update(resolved_target(b, parent))
+    merged["args"] = {**merged.get("args", {}), **target.pop("args", {})}
+    merged.update(target)
+    return merged
+
+
+def bake_defaults(b: dict[str, Any]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for _ in range(3):  # defaults may refer to each other
+        env = {k: interpolate(v["default"], env) for k, v in b["variable"].items()}
+    return env
+
+
+def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
+    b = bake()
+    env = bake_defaults(b)
+    p = pins()
+    from hybrid_draft import __version__
+
+    assert (env["VLLM_VERSION"], env["INSTANTTENSOR_VERSION"]) == (p["vllm"], p["instanttensor"])
+    assert env["HYBRID_DRAFT_VERSION"] == __version__
+    assert env["BASE_IMAGE"] == f"vllm/vllm-openai:v{p['vllm']}"
+    assert b["group"]["default"]["targets"] == ["local"]
+    assert set(b["variable"]) >= {"BASE_IMAGE", "VLLM_VERSION", "INSTANTTENSOR_VERSION",
+                                  "REPOSITORY", "TAG", "PLATFORMS"}
+    dockerfile = set(dockerfile_args())
+    for name in ("local", "official", "spark"):
+        target = resolved_target(b, name)
+        assert set(target["args"]) == dockerfile, name  # exactly the Dockerfile's ARGs
+        assert target["dockerfile"] == "Dockerfile" and target["context"] == "."
+        tags = [interpolate(t, env) for t in target["tags"]]
+        assert all(p["vllm"] in t for t in tags), (name, tags)
+    official = resolved_target(b, "official")
+    assert official["platforms"] == '${split(",", PLATFORMS)}'
+    assert env["PLATFORMS"].split(",") == ["linux/amd64", "linux/arm64"]
+    assert resolved_target(b, "spark")["platforms"] == ["linux/arm64"]
+    assert resolved_target(b, "spark")["args"]["BASE_IMAGE"] == "${SPARK_BASE_IMAGE}"
+    assert resolved_target(b, "local")["output"] == ["type=docker"]
+
+
+# --- compose.yaml --------------------------------------------------------------------------
+
+
+def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """compose.yaml as Compose resolves it: YAML first, then ``${}`` in string values."""
+    def walk(node: Any) -> Any:
+        if isinstance(node, str):
+            return interpolate(node, env or {})
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if isinstance(node, dict):
+            return {walk(k): walk(v) for k, v in node.items()}
+        return node
+
+    return walk(yaml.safe_load((REPO / "compose.yaml").read_text()))
+
+
+def test_compose_file_follows_the_compose_specification(tmp_path: Path) -> None:
+    out = subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema",
+                          "vendor.compose-spec", str(REPO / "compose.yaml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for env in ({}, {"MODEL_DIR": "/srv/models/DeepSeek-V3", "INSTANTTENSOR_DRAFT_LOADER":
+                     "selective", "HYBRID_DRAFT_CONFIG_FILE": "/etc/custom.toml"}):
+        resolved = tmp_path / "resolved.yaml"
+        resolved.write_text(yaml.safe_dump(compose(env)))
+        out = subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema",
+                              "vendor.compose-spec", str(resolved)], capture_output=True,
+                             text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_compose_services() -> None:
+    c = compose()
+    b = bake()
+    local_tag = interpolate(resolved_target(b, "local")["tags"][0], bake_defaults(b))
+    assert {s["image"] for s in c["services"].values()} == {local_tag}
+    model, server, smoke = (c["services"][k] for k in ("model", "server", "smoke"))
+
+    assert model["entrypoint"] == ["hybrid-draft"] and model["command"][0] == "make-checkpoint"
+    assert model["volumes"] == ["default-model:/model"]
+    assert server["depends_on"] == {"model": {"condition": "service_completed_successfully"}}
+    (gpu,) = server["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+    assert server["ipc"] == "host"
+    assert "default-model:/model:ro" in server["volumes"]
+    config = {"type": "bind", "source": "./config/hybrid-draft.toml",
+              "target": "/etc/hybrid-draft.toml", "read_only": True}
+    assert config in server["volumes"] and config in smoke["volumes"]
+    assert server["environment"]["HYBRID_DRAFT_EVENTS_FILE"] == "/events/hybrid-draft.jsonl"
+    assert "events:/events" in server["volumes"]
+    assert {"type": "volume", "source": "events", "target": "/events",
+            "read_only": True} in smoke["volumes"]
+    assert "/events/hybrid-draft.jsonl" in smoke["command"]
+    assert "/health" in " ".join(server["healthcheck"]["test"])
+    assert server["healthcheck"]["start_period"] == "60m"
+    assert smoke["depends_on"] == {"server": {"condition": "service_healthy"}}
+    assert smoke["entrypoint"] == ["hybrid-draft"] and smoke["command"][0] == "smoke"
+
+    passthrough = compose({"INSTANTTENSOR_DRAFT_LOADER": "selective",
+                           "MODEL_DIR": "/srv/m", "HYBRID_DRAFT_CONFIG_FILE": "/etc/x.toml"})
+    for name in ("server", "smoke"):
+        svc = passthrough["services"][name]
+        assert svc["environment"]["INSTANTTENSOR_DRAFT_LOADER"] == "selective"
+        assert {"type": "bind", "source": "/etc/x.toml", "target": "/etc/hybrid-draft.toml",
+                "read_only": True} in svc["volumes"]
+    assert "/srv/m:/model:ro" in passthrough["services"]["server"]["volumes"]
+    # Unset, the variable is passed as empty, which the layer reads as unset.
+    assert server["environment"]["INSTANTTENSOR_DRAFT_LOADER"] == ""
+
+
+def test_server_command_parses_with_vllms_own_serve_parser(vllm_runtime: Any) -> None:
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    command = compose()["services"]["server"]["command"]
+    root = FlexibleArgumentParser()
+    subparsers = root.add_subparsers(dest="subparser")
+    ServeSubcommand().subparser_init(subparsers)
+    args = root.parse_args(["serve", *command])
+    assert args.model_tag == "/model"
+    assert args.load_format == "instanttensor"
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    assert args.served_model_name == ["hybrid-draft-default"]
+
+
+# --- the embedded default checkpoint ------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_default_checkpoint_loads_in_real_vllm_as_target_and_mtp_draft(
+    tmp_path: Path, events: Events, instanttensor_standin: Recorder,
+) -> None:
+    command = compose()["services"]["model"]["command"]
+    out_dir = tmp_path / "model"
+    args = [out_dir if a == "/model" else a for a in command]
+    cli = [str(BIN / "hybrid-draft"), *map(str, args)]
+    subprocess.run(cli, check=True, capture_output=True)
+    again = subprocess.run(cli, check=True, capture_output=True, text=True)
+    assert "already there" in again.stdout  # --if-missing leaves a checkpoint alone
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    ids = tok("Speculative decoding, héllo!")["input_ids"]
+    assert tok.decode(ids) == "Speculative decoding, héllo!"
+    assert tok.decode([500]) == "<t500>"  # every model id decodes to text
+
+    loaded = load_target_and_draft(engine_config(out_dir))
+    assert type(loaded.target).__name__ == "Qwen3_5ForCausalLM"
+    assert type(loaded.draft).__name__ == "Qwen3_5MTP"
+    (draft,) = events.decisions("draft")
+    assert (draft["action"], draft["reason"]) == ("switched", "same_checkpoint")
+    shutil.rmtree(out_dir)

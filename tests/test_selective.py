@@ -1,0 +1,149 @@
+"""The ``selective`` mode: its fallback on this CPU host, and the exact InstantTensor call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import Events, Recorder, engine_config, load_target_and_draft
+from hybrid_draft import checkpoint
+from hybrid_draft.adapter.rules import deepseek_mtp_unused
+
+pytestmark = pytest.mark.vllm
+
+
+def test_selective_falls_back_to_lazy_without_cuda(
+    deepseek: Path, events: Events, instanttensor_standin: Recorder, lazy_spy: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", "selective")
+    load_target_and_draft(engine_config(deepseek))
+    (draft,) = events.decisions("draft")
+    assert (draft["action"], draft["reason"], draft["chosen_format"]) == (
+        "switched", "selective_fallback", "safetensors")
+    assert draft["detail"] == "CUDA is not available (vLLM platform: cpu)"
+    assert [c["strategy"] for c in lazy_spy.calls] == ["lazy"]
+    assert len(lazy_spy.calls[0]["files"]) == 2  # pruned: the embedding's shard and the MTP's
+
+
+def test_selective_falls_back_for_a_draft_class_without_a_rule(
+    qwen3_pair: tuple[Path, Path], events: Events, instanttensor_standin: Recorder,
+    lazy_spy: Recorder, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", "selective")
+    target, _ = qwen3_pair
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 1}
+    load_target_and_draft(engine_config(target, speculative_config=spec), route="draft_model")
+    (draft,) = events.decisions("draft")
+    assert draft["reason"] == "selective_fallback"
+    assert draft["detail"] == ("Qwen3ForCausalLM has no checkpoint-weight rule to plan its "
+                               "tensors with")
+
+
+def test_tensor_filter_support_is_detected(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    import instanttensor
+
+    from hybrid_draft.adapter import selective
+
+    assert selective.tensor_filter_supported() is None  # the pinned 0.2.2
+
+    def older_safe_open(filename: Any, framework: str, device: Any, process_group: Any = None,
+                        *, copy: bool = True) -> None:  # 0.2.1's signature
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(instanttensor, "safe_open", older_safe_open)
+    assert "has no tensor_filter (0.2.2 or later has)" in selective.tensor_filter_supported()
+
+
+def test_an_empty_plan_is_a_fallback_reason(deepseek: Path) -> None:
+    from hybrid_draft.adapter import selective
+
+    plan = selective.make_plan([str(p) for p in sorted(deepseek.glob("*.safetensors"))],
+                               lambda name: True)
+    assert plan.files == {} and plan.names == [] and plan.nbytes == 0
+
+
+class SafeOpenRecorder:
+    """Stands in for ``instanttensor.safe_open`` (CUDA only): records its arguments and
+    yields the filtered tensors, read with safetensors, in file order."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, filename: list[str], framework: str, device: Any,
+                 process_group: Any = None, **kwargs: Any) -> Any:
+        self.calls.append({"files": [Path(f).name for f in filename], "framework": framework,
+                           "device": device, "process_group": process_group, **kwargs})
+        recorder = self
+
+        class Handle:
+            total_tensor_size = 0
+
+            def __enter__(self) -> Any:
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                return None
+
+            def tensors(self) -> Any:
+                from safetensors import safe_open
+
+                wanted = set(recorder.calls[-1]["tensor_filter"])
+                for path in sorted(filename):
+                    with safe_open(path, framework="pt", device="cpu") as f:
+                        for name in f.keys():  # noqa: SIM118
+                            if name in wanted:
+                                yield name, f.get_tensor(name).to(device)
+
+        return Handle()
+
+
+def test_selective_loader_streams_exactly_the_planned_tensors(
+    deepseek: Path, events: Events, instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The registered loader, reached the way vLLM reaches any loader (here: an explicit
+    draft load config), with InstantTensor's reader recorded instead of run."""
+    import instanttensor
+    from safetensors.torch import load_file
+
+    from hybrid_draft.adapter import selective
+
+    recorder = SafeOpenRecorder()
+    monkeypatch.setattr(instanttensor, "safe_open", recorder)
+    selective.register()
+    spec = {"method": "mtp", "num_speculative_tokens": 1,
+            "draft_load_config": {"load_format": "instanttensor_selective"}}
+    loaded = load_target_and_draft(engine_config(deepseek, speculative_config=spec))
+
+    shards = checkpoint.read_checkpoint(deepseek)
+    config = loaded.config.speculative_config.draft_model_config.hf_config
+    planned = [t.name for s in shards for t in s.tensors if not deepseek_mtp_unused(config, t.name)]
+    (call,) = recorder.calls
+    assert sorted(call["tensor_filter"]) == sorted(planned)
+    assert len(set(call["tensor_filter"])) == len(call["tensor_filter"])
+    assert call["tensor_name_match_mode"] == "exact"
+    assert call["process_group"] is None and call["copy"] is True
+    assert call["files"] == sorted({s.path.name for s in shards
+                                    if any(t.name in planned for t in s.tensors)})
+    assert len(call["files"]) < len(shards)
+
+    values = {}
+    for f in sorted(deepseek.glob("*.safetensors")):
+        values.update(load_file(f))
+    params = dict(loaded.draft.named_parameters())
+    n = config.num_hidden_layers
+    # (the shared head and the embedding are replaced by the target's after loading)
+    for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+        assert torch.equal(params[f"model.layers.{n}.{name}"].detach(),
+                           values[f"model.layers.{n}.{name}"].float()), name
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+        assert torch.equal(params[f"model.layers.{n}.mtp_block.{name}"].detach(),
+                           values[f"model.layers.{n}.{name}"].float()), name
+    (draft,) = events.decisions("draft")
+    assert (draft["reason"], draft["chosen_format"]) == ("explicit_draft_loader",
+                                                         "instanttensor_selective")
