@@ -125,11 +125,19 @@ def events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Events:
 
 @pytest.fixture(scope="session")
 def vllm_runtime() -> Any:
-    """vLLM imported (the layer's hook fires here) and a one-process gloo world."""
-    import vllm.model_executor.model_loader as loader
-    from vllm.distributed import init_distributed_environment
+    """vLLM imported (the layer's hook fires here) and a one-process gloo world.
 
-    init_distributed_environment(1, 0, f"file://{_SESSION_TMP / 'dist-init'}", 0, "gloo")
+    The model-parallel groups are made under a config without a model, for which vLLM
+    creates every group, the expert-parallel one included: a session loads dense and MoE
+    models in any order, and the groups are made only once.
+    """
+    import vllm.model_executor.model_loader as loader
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(1, 0, f"file://{_SESSION_TMP / 'dist-init'}", 0, "gloo")
+        ensure_model_parallel_initialized(1, 1)
     return loader
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -567,6 +567,3 @@ def write_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int) -> None:
         json.dumps({"bos_token_id": 0, "eos_token_id": 1}) + "\n"
     )
 
-
-def names(tensors: Iterable[Tensor]) -> list[str]:
-    return [t.name for t in tensors]

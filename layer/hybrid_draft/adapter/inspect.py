@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from hybrid_draft.adapter import rules
 
@@ -50,6 +49,3 @@ def mtp_draft(model_dir: str) -> Draft:
         return Draft(cls.__name__, source, rule, None)
     return Draft(cls.__name__, source, None, None)
 
-
-def describe(draft: Draft) -> dict[str, Any]:
-    return {"draft_class": draft.draft_class, "rule_source": draft.rule_source}

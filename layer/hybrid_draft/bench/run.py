@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
+DRAFT_NAMES = "bench-draft-tensors.json"
+NEEDS_VLLM = ("lazy", "lazy_pruned")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,6 +83,9 @@ def prepare_checkpoint(directory: Path, size_gib: float) -> Path:
     shards = synth.shard(layout, shard_bytes=shard_bytes)
     print(f"writing a {size_gib:g} GiB checkpoint to {directory} ...", flush=True)
     synth.write_checkpoint(directory, layout, shards, fill="noise", seed=1)
+    # What DeepSeekMTP loads, from the layout: used where vLLM is not installed.
+    draft = sorted(layout.is_mtp | {"model.embed_tokens.weight"})
+    (directory / DRAFT_NAMES).write_text(json.dumps(draft))
     stamp.write_text(json.dumps(want))
     return directory
 
@@ -88,24 +93,37 @@ def prepare_checkpoint(directory: Path, size_gib: float) -> Path:
 # --- the plan the strategies share -------------------------------------------------------
 
 
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def draft_plan(directory: Path) -> dict[str, Any]:
+    """The draft's tensors by vLLM's draft class and rule (or, without vLLM, the layout's)."""
     from hybrid_draft import checkpoint, plan
-    from hybrid_draft.adapter import inspect
 
     shards = checkpoint.read_checkpoint(directory)
-    draft = inspect.mtp_draft(str(directory))
-    if draft.is_unused is None:
-        raise SystemExit(f"{directory}: the draft class {draft.draft_class} has no rule")
-    reads = plan.modes(shards, draft.is_unused, draft.vllm_rule)
-    keep = draft.is_unused
+    if vllm_available():
+        from hybrid_draft.adapter import inspect
+
+        draft = inspect.mtp_draft(str(directory))
+        if draft.is_unused is None:
+            raise SystemExit(f"{directory}: the draft class {draft.draft_class} has no rule")
+        unused, draft_class, source = draft.is_unused, draft.draft_class, draft.rule_source
+    else:  # e.g. a bare GPU machine: the names the layout recorded for DeepSeekMTP
+        wanted = set(json.loads((directory / DRAFT_NAMES).read_text()))
+        unused = lambda name: name not in wanted  # noqa: E731
+        draft_class, source = "DeepSeekMTP", "layout"
+    reads = plan.modes(shards, unused, None)
     ranges = [(str(s.path), t.start, t.end, t.name) for s in shards for t in s.tensors
-              if not keep(t.name)]
+              if not unused(t.name)]
     meta = {t.name: (t.dtype, list(t.shape)) for s in shards for t in s.tensors
-            if not keep(t.name)}
+            if not unused(t.name)}
     by_name = {s.name: str(s.path) for s in shards}
     return {
-        "draft_class": draft.draft_class,
-        "rule_source": draft.rule_source,
+        "draft_class": draft_class,
+        "rule_source": source,
         "files_all": [str(s.path) for s in shards],
         "files_pruned": [by_name[n] for n in reads["lazy_pruned"].shards],
         "tensor_ranges": ranges,
@@ -244,6 +262,11 @@ def main(args: argparse.Namespace) -> int:
     gpu = startup.cuda_available()
     chosen = (args.strategies.split(",") if args.strategies
               else [*CPU_STRATEGIES, *(GPU_STRATEGIES if gpu else ())])
+    if not vllm_available():
+        skipped = [s for s in chosen if s in NEEDS_VLLM]
+        if skipped:
+            print(f"vLLM is not installed here: skipping {', '.join(skipped)}", flush=True)
+        chosen = [s for s in chosen if s not in NEEDS_VLLM]
     unknown = set(chosen) - set(CPU_STRATEGIES) - set(GPU_STRATEGIES)
     if unknown:
         print(f"unknown strategies {sorted(unknown)}; accepted: "
@@ -264,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
         del result["gpu_strategies"]
     if args.startup_runs:
         result["startup"] = startup.pth_cost(args.startup_runs)
-    if args.hook_runs:
+    if args.hook_runs and vllm_available():
         result.setdefault("startup", {})["model_loader"] = startup.hook_cost(args.hook_runs)
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     chart(result, out / "bench.png")
