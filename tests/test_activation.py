@@ -172,3 +172,22 @@ def test_missing_get_model_is_skipped(module_text: str, events) -> None:
     patch.on_model_loader(module)
     assert events.named("hybrid_draft.patch_skipped")[0]["reason"].endswith(
         "has no callable get_model")
+
+
+def test_a_fault_in_the_layer_lets_vllm_load_as_asked(events) -> None:
+    from hybrid_draft.adapter import patch
+
+    calls = []
+
+    def get_model(*, vllm_config: object, model_config: object = None, prefix: str = "",
+                  load_config: object = None) -> str:
+        calls.append((vllm_config, model_config, load_config))
+        return "model"
+
+    assert patch.wrap(get_model)(vllm_config="not a VllmConfig") == "model"
+    assert calls == [("not a VllmConfig", None, None)]
+    (decision,) = events.named("hybrid_draft.decision")
+    assert (decision["action"], decision["reason"], decision["level"]) == (
+        "kept", "layer_error", "error")
+    assert set(patch.DECISION_FIELDS) <= decision.keys() and decision["role"] is None
+    assert decision["detail"].startswith("AttributeError:")

@@ -104,9 +104,12 @@ def test_each_get_model_call_emits_one_decision_on_stderr_and_in_the_file(
     assert len(on_stderr) == 2 and len(in_file) == 2  # one target call, one draft call
     import json
 
+    from hybrid_draft.policy import REASONS
+
     for line, record in zip(on_stderr, in_file, strict=True):
         parsed = json.loads(line)
         assert parsed == record
+        assert parsed["reason"] in REASONS
         assert parsed.keys() >= DECISION_KEYS
         assert parsed["level"] == "info" and parsed["pid"] == os.getpid()
         assert parsed["timestamp"].endswith(("Z", "+00:00"))

@@ -51,9 +51,11 @@ def expected(contents: dict[str, dict[str, int]], unused: Any, stock: Any) -> di
         kept = [s for s, t in contents.items() if not all(rule(n) for n in t)]
         return kept or list(contents)
 
-    def reads(shards: list[str], keep: Any) -> dict[str, Any]:
+    def reads(shards: list[str], keep: Any, opens_all: bool = True) -> dict[str, Any]:
         sizes = [b for s in shards for n, b in contents[s].items() if keep(n)]
-        return {"shards": shards, "tensors": len(sizes), "bytes": sum(sizes)}
+        opened = sum(len(contents[s]) for s in shards)
+        return {"shards": shards, "tensors": len(sizes), "bytes": sum(sizes),
+                "touched_tensors": opened if opens_all else len(sizes)}
 
     keep = lambda n: not unused(n)  # noqa: E731
     return {
@@ -61,7 +63,8 @@ def expected(contents: dict[str, dict[str, int]], unused: Any, stock: Any) -> di
         "instanttensor_pruned": reads(prune(unused), lambda n: True),
         "lazy": reads(prune(stock), keep),
         "lazy_pruned": reads(prune(unused), keep),
-        "selective": reads([s for s, t in contents.items() if any(keep(n) for n in t)], keep),
+        "selective": reads([s for s, t in contents.items() if any(keep(n) for n in t)], keep,
+                           opens_all=False),
     }
 
 
@@ -128,11 +131,13 @@ def test_plan_full_size_deepseek_v3_layout(ckpt_root: Path) -> None:
     draft_bytes = sum(t.nbytes for t in layout.tensors if t.name in draft_names)
     modes = result["modes"]
     assert modes["selective"] == {"shards": draft_shards, "tensors": len(draft_names),
-                                  "bytes": draft_bytes}
-    assert modes["lazy_pruned"] == modes["selective"]
+                                  "bytes": draft_bytes, "touched_tensors": len(draft_names)}
+    pruned = {k: v for k, v in modes["lazy_pruned"].items() if k != "touched_tensors"}
+    assert pruned == {k: v for k, v in modes["selective"].items() if k != "touched_tensors"}
     assert modes["lazy"]["tensors"] == len(draft_names) and len(modes["lazy"]["shards"]) == 163
+    assert modes["lazy"]["touched_tensors"] == 91991
     assert modes["instanttensor"] == {"shards": sorted(contents), "tensors": 91991,
-                                      "bytes": layout.nbytes}
+                                      "bytes": layout.nbytes, "touched_tensors": 91991}
     assert modes["instanttensor_pruned"]["shards"] == draft_shards
     assert len(draft_shards) <= 6 and draft_bytes < 0.03 * layout.nbytes
 

@@ -59,12 +59,26 @@ def test_tensor_filter_support_is_detected(vllm_runtime: Any, monkeypatch: pytes
     assert "has no tensor_filter (0.2.2 or later has)" in selective.tensor_filter_supported()
 
 
-def test_an_empty_plan_is_a_fallback_reason(deepseek: Path) -> None:
-    from hybrid_draft.adapter import selective
+def test_an_empty_plan_is_a_fallback_reason(deepseek: Path, ckpt_root: Path) -> None:
+    """A draft checkpoint holding nothing the draft class loads (no MTP layer, no embedding)."""
+    from vllm.config import set_current_vllm_config
 
-    plan = selective.make_plan([str(p) for p in sorted(deepseek.glob("*.safetensors"))],
-                               lambda name: True)
-    assert plan.files == {} and plan.names == [] and plan.nbytes == 0
+    from hybrid_draft import synth
+    from hybrid_draft.adapter import configs, selective
+
+    layout = synth.deepseek_v3("tiny", moe=False)
+    body = [t for t in layout.tensors
+            if t.name not in layout.is_mtp and t.name != "model.embed_tokens.weight"]
+    empty = ckpt_root / "deepseek-no-draft-tensors"
+    if not empty.exists():
+        synth.write_checkpoint(empty, layout, [body])
+    spec = {"method": "mtp", "num_speculative_tokens": 1, "model": str(empty)}
+    config = engine_config(deepseek, speculative_config=spec)
+    draft = config.speculative_config.draft_model_config
+    with set_current_vllm_config(config):
+        blocker, plan = selective.preflight(configs.Call.resolve(config, draft))
+    assert blocker == "the DeepSeekMTP rule keeps none of the checkpoint's tensors"
+    assert plan is None
 
 
 class SafeOpenRecorder:

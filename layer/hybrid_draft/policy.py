@@ -38,10 +38,12 @@ DRAFT_FORMAT_BY_MODE = {
 Role = Literal["target", "draft"]
 Action = Literal["kept", "switched"]
 
+#: Every ``reason`` a decision event can carry. ``layer_error`` is the adapter's: the layer
+#: itself failed on a call, which then loads exactly as vLLM would without it.
 REASONS = (
     "target_model", "not_instanttensor", "mode_instanttensor", "explicit_draft_loader",
     "different_checkpoint", "same_checkpoint", "forced_safetensors", "selective",
-    "selective_fallback",
+    "selective_fallback", "layer_error",
 )
 
 

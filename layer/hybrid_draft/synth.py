@@ -19,6 +19,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hybrid_draft import checkpoint
 
@@ -60,6 +61,49 @@ def _linear(out: list[Tensor], name: str, rows: int, cols: int, dtype: str, fp8:
         out.append(Tensor(f"{name}.weight_scale_inv", (-(-rows // 128), -(-cols // 128)), "F32"))
     else:
         out.append(Tensor(f"{name}.weight", (rows, cols), dtype))
+
+
+def _mlp(out: list[Tensor], prefix: str, p: dict, moe: bool, fp8: bool = False) -> None:
+    """The DeepSeek/GLM MLP: routed experts, a router with its score bias, and shared
+    experts in a MoE layer; gate/up/down projections in a dense one."""
+    h = p["hidden_size"]
+    if moe:
+        e, mi = p["n_routed_experts"], p["moe_intermediate_size"]
+        out.append(Tensor(f"{prefix}gate.weight", (e, h)))
+        out.append(Tensor(f"{prefix}gate.e_score_correction_bias", (e,), "F32"))
+        for j in range(e):
+            _linear(out, f"{prefix}experts.{j}.gate_proj", mi, h, "BF16", fp8)
+            _linear(out, f"{prefix}experts.{j}.up_proj", mi, h, "BF16", fp8)
+            _linear(out, f"{prefix}experts.{j}.down_proj", h, mi, "BF16", fp8)
+        prefix, inter = f"{prefix}shared_experts.", mi * p["n_shared_experts"]
+    else:
+        inter = p["intermediate_size"]
+    _linear(out, f"{prefix}gate_proj", inter, h, "BF16", fp8)
+    _linear(out, f"{prefix}up_proj", inter, h, "BF16", fp8)
+    _linear(out, f"{prefix}down_proj", h, inter, "BF16", fp8)
+
+
+def _with_nextn_layer(config: dict, p: dict, block: Any, *, own_embed_and_head: bool) -> Layout:
+    """A DeepSeek/GLM export: embedding, ``N`` blocks, norm and head, then the MTP layer
+    ``N`` (its input norms and projection, one more block, its shared head's norm, and in
+    DeepSeek's export its own copies of the embedding and the head)."""
+    h, v, n = p["hidden_size"], p["vocab_size"], p["num_hidden_layers"]
+    tensors = [Tensor("model.embed_tokens.weight", (v, h))]
+    for i in range(n):
+        tensors += block(f"model.layers.{i}.", i)
+    tensors += [Tensor("model.norm.weight", (h,)), Tensor("lm_head.weight", (v, h))]
+    mp = f"model.layers.{n}."
+    mtp = [Tensor(f"{mp}embed_tokens.weight", (v, h))] if own_embed_and_head else []
+    mtp += [
+        Tensor(f"{mp}enorm.weight", (h,)),
+        Tensor(f"{mp}hnorm.weight", (h,)),
+        Tensor(f"{mp}eh_proj.weight", (h, 2 * h)),
+        *block(mp, n),
+        Tensor(f"{mp}shared_head.norm.weight", (h,)),
+    ]
+    if own_embed_and_head:
+        mtp.append(Tensor(f"{mp}shared_head.head.weight", (v, h)))
+    return Layout(config, tensors + mtp, frozenset(t.name for t in mtp))
 
 
 # --- Qwen3.5 (dense text model, gated delta-net + full attention, mtp.* head) -------------
@@ -185,8 +229,9 @@ def deepseek_v3(
 ) -> Layout:
     """A DeepSeek-V3 checkpoint with ``num_nextn_predict_layers=1`` (the MTP layer is layer N).
 
-    ``moe=False`` keeps every layer, the MTP layer included, dense: vLLM's CPU path has no
-    fused-MoE kernel, and the draft's weight rule does not depend on it.
+    ``moe=False`` keeps every layer, the MTP layer included, dense: the CUDA build of vLLM
+    has no CPU MoE kernels (they live in ``vllm._C`` of the CPU build), and the draft's
+    weight rule does not depend on it.
     """
     p = {**DEEPSEEK_V3_PRESETS[preset], **overrides}
     n = p["num_hidden_layers"]
@@ -233,41 +278,10 @@ def deepseek_v3(
                 p["kv_lora_rank"], "BF16", fp8)
         _linear(t, f"{a}o_proj", h, nh * p["v_head_dim"], "BF16", fp8)
         t.append(Tensor(f"{prefix}post_attention_layernorm.weight", (h,)))
-        m = f"{prefix}mlp."
-        if idx >= p["first_k_dense_replace"]:
-            e, mi = p["n_routed_experts"], p["moe_intermediate_size"]
-            t.append(Tensor(f"{m}gate.weight", (e, h)))
-            t.append(Tensor(f"{m}gate.e_score_correction_bias", (e,), "F32"))
-            for j in range(e):
-                _linear(t, f"{m}experts.{j}.gate_proj", mi, h, "BF16", fp8)
-                _linear(t, f"{m}experts.{j}.up_proj", mi, h, "BF16", fp8)
-                _linear(t, f"{m}experts.{j}.down_proj", h, mi, "BF16", fp8)
-            si = mi * p["n_shared_experts"]
-            _linear(t, f"{m}shared_experts.gate_proj", si, h, "BF16", fp8)
-            _linear(t, f"{m}shared_experts.up_proj", si, h, "BF16", fp8)
-            _linear(t, f"{m}shared_experts.down_proj", h, si, "BF16", fp8)
-        else:
-            inter = p["intermediate_size"]
-            _linear(t, f"{m}gate_proj", inter, h, "BF16", fp8)
-            _linear(t, f"{m}up_proj", inter, h, "BF16", fp8)
-            _linear(t, f"{m}down_proj", h, inter, "BF16", fp8)
+        _mlp(t, f"{prefix}mlp.", p, idx >= p["first_k_dense_replace"], fp8)
         return t
 
-    tensors = [Tensor("model.embed_tokens.weight", (p["vocab_size"], h))]
-    for i in range(n):
-        tensors += block(f"model.layers.{i}.", i)
-    tensors += [Tensor("model.norm.weight", (h,)), Tensor("lm_head.weight", (p["vocab_size"], h))]
-    mp = f"model.layers.{n}."
-    mtp = [
-        Tensor(f"{mp}embed_tokens.weight", (p["vocab_size"], h)),
-        Tensor(f"{mp}enorm.weight", (h,)),
-        Tensor(f"{mp}hnorm.weight", (h,)),
-        Tensor(f"{mp}eh_proj.weight", (h, 2 * h)),
-        *block(mp, n),
-        Tensor(f"{mp}shared_head.norm.weight", (h,)),
-        Tensor(f"{mp}shared_head.head.weight", (p["vocab_size"], h)),
-    ]
-    return Layout(config, tensors + mtp, frozenset(t.name for t in mtp))
+    return _with_nextn_layer(config, p, block, own_embed_and_head=True)
 
 
 # --- GLM-4.5 MoE (GQA attention with bias, MoE from layer 1, one MTP layer) ----------------
@@ -312,7 +326,7 @@ def glm4_moe(preset: str = "tiny", *, moe: bool = True, **overrides: int) -> Lay
     nh, nkv = p["num_attention_heads"], p["num_key_value_heads"]
 
     def block(prefix: str, idx: int) -> list[Tensor]:
-        a, m = f"{prefix}self_attn.", f"{prefix}mlp."
+        a = f"{prefix}self_attn."
         t = [
             Tensor(f"{prefix}input_layernorm.weight", (h,)),
             Tensor(f"{a}q_proj.weight", (nh * hd, h)), Tensor(f"{a}q_proj.bias", (nh * hd,)),
@@ -321,38 +335,10 @@ def glm4_moe(preset: str = "tiny", *, moe: bool = True, **overrides: int) -> Lay
             Tensor(f"{a}o_proj.weight", (h, nh * hd)),
             Tensor(f"{prefix}post_attention_layernorm.weight", (h,)),
         ]
-        if idx >= p["first_k_dense_replace"]:
-            e, mi = p["n_routed_experts"], p["moe_intermediate_size"]
-            t += [Tensor(f"{m}gate.weight", (e, h)),
-                  Tensor(f"{m}gate.e_score_correction_bias", (e,), "F32")]
-            for j in range(e):
-                t += [Tensor(f"{m}experts.{j}.gate_proj.weight", (mi, h)),
-                      Tensor(f"{m}experts.{j}.up_proj.weight", (mi, h)),
-                      Tensor(f"{m}experts.{j}.down_proj.weight", (h, mi))]
-            si = mi * p["n_shared_experts"]
-            t += [Tensor(f"{m}shared_experts.gate_proj.weight", (si, h)),
-                  Tensor(f"{m}shared_experts.up_proj.weight", (si, h)),
-                  Tensor(f"{m}shared_experts.down_proj.weight", (h, si))]
-        else:
-            inter = p["intermediate_size"]
-            t += [Tensor(f"{m}gate_proj.weight", (inter, h)),
-                  Tensor(f"{m}up_proj.weight", (inter, h)),
-                  Tensor(f"{m}down_proj.weight", (h, inter))]
+        _mlp(t, f"{prefix}mlp.", p, idx >= p["first_k_dense_replace"])
         return t
 
-    tensors = [Tensor("model.embed_tokens.weight", (p["vocab_size"], h))]
-    for i in range(n):
-        tensors += block(f"model.layers.{i}.", i)
-    tensors += [Tensor("model.norm.weight", (h,)), Tensor("lm_head.weight", (p["vocab_size"], h))]
-    mp = f"model.layers.{n}."
-    mtp = [
-        Tensor(f"{mp}enorm.weight", (h,)),
-        Tensor(f"{mp}hnorm.weight", (h,)),
-        Tensor(f"{mp}eh_proj.weight", (h, 2 * h)),
-        *block(mp, n),
-        Tensor(f"{mp}shared_head.norm.weight", (h,)),
-    ]
-    return Layout(config, tensors + mtp, frozenset(t.name for t in mtp))
+    return _with_nextn_layer(config, p, block, own_embed_and_head=False)
 
 
 # --- Qwen3 (plain dense transformer, no MTP): a standalone draft model --------------------

@@ -25,6 +25,9 @@ MODULE = "vllm.model_executor.model_loader"
 TARGET = f"{MODULE}.get_model"
 REQUIRED = ("vllm_config", "model_config", "load_config")
 _WRAPPED = "__hybrid_draft_wrapped__"
+#: The keys every hybrid_draft.decision event carries (null where a call leaves one unknown).
+DECISION_FIELDS = ("role", "mode", "mode_source", "method", "requested_format",
+                   "chosen_format", "action", "reason", "model", "revision")
 
 SWITCH_MESSAGE = {
     policy.SAFETENSORS: "Hybrid draft loading: using lazy safetensors for speculative draft "
@@ -81,11 +84,22 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def get_model(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        new_load_config = decide(bound.arguments["vllm_config"],
-                                 bound.arguments.get("model_config"),
-                                 bound.arguments.get("load_config"))
+        try:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            new_load_config = decide(bound.arguments["vllm_config"],
+                                     bound.arguments.get("model_config"),
+                                     bound.arguments.get("load_config"))
+        except settings.ConfigError:
+            raise  # an invalid setting stops the load (CONTRACT.md)
+        except Exception as exc:
+            # A fault of the layer's own must not fail a load vLLM would have done:
+            # report it and let vLLM load exactly as asked.
+            unknown = dict.fromkeys(DECISION_FIELDS)
+            emit("hybrid_draft.decision", "error", **{
+                **unknown, "action": "kept", "reason": "layer_error",
+                "detail": f"{type(exc).__name__}: {exc}"})
+            new_load_config = None
         if new_load_config is not None:
             kwargs = {**kwargs, "load_config": new_load_config}
         return original(*args, **kwargs)
@@ -115,7 +129,10 @@ def decide(vllm_config: Any, model_config: Any, load_config: Any) -> Any:
     if decision.reason == "selective":
         from hybrid_draft.adapter import selective
 
-        blocker, plan = selective.preflight(call)
+        try:
+            blocker, plan = selective.preflight(call)
+        except Exception as exc:  # planning reads the checkpoint: never fail the load on it
+            blocker, plan = f"planning failed: {type(exc).__name__}: {exc}", None
         if blocker:
             decision = policy.fall_back(decision, blocker)
         else:

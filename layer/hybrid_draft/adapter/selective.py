@@ -83,15 +83,16 @@ def draft_class(model_config: Any) -> type:
 
 
 def preflight(call: configs.Call) -> tuple[str | None, Plan | None]:
-    """Whether a selective draft load can run here: (why not, None) or (None, its plan)."""
+    """Whether a selective draft load can run here: (why not, None) or (None, its plan).
+
+    The plan comes first (a rule and the shard headers): it holds on any host, so a draft
+    that would plan nothing says so even where CUDA is missing.
+    """
     cls = draft_class(call.model_config)
     rules.install(cls)
     is_unused = rules.probe(cls, call.model_config.hf_config)
     if is_unused is None:
         return f"{cls.__name__} has no checkpoint-weight rule to plan its tensors with", None
-    for check in (cuda_unavailable(call), tensor_filter_supported()):
-        if check:
-            return check, None
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     lazy = configs.lazy_load_config(call.load_config)
@@ -102,6 +103,9 @@ def preflight(call: configs.Call) -> tuple[str | None, Plan | None]:
     plan = make_plan(files, is_unused)
     if not plan.files:
         return f"the {cls.__name__} rule keeps none of the checkpoint's tensors", None
+    for check in (cuda_unavailable(call), tensor_filter_supported()):
+        if check:
+            return check, None
     return None, plan
 
 

@@ -54,9 +54,10 @@ def full_pass(spec: dict[str, Any]) -> Callable[[], None]:
 
 
 def _buffers(spec: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+    """Destination tensors, allocated and touched before timing (as a loaded model's are)."""
     import torch
 
-    return {name: torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=device)
+    return {name: torch.zeros(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=device)
             for name, (dtype, shape) in spec["meta"].items()}
 
 
@@ -79,7 +80,7 @@ def selective(spec: dict[str, Any]) -> Callable[[], None]:
     import torch
 
     ranges = [tuple(r) for r in spec["tensor_ranges"]]  # (path, start, end, name)
-    buffers = {name: torch.empty(end - start, dtype=torch.uint8)
+    buffers = {name: torch.zeros(end - start, dtype=torch.uint8)
                for _, start, end, name in ranges}
 
     def run() -> None:
