@@ -147,8 +147,9 @@ def engine_config(model: str | Path, *, load_format: str = "instanttensor",
     from vllm.engine.arg_utils import EngineArgs
 
     spec = dict(speculative_config or {"method": "mtp", "num_speculative_tokens": 1})
-    if "deepseek" in str(spec.get("model", model)) or "deepseek" in str(model):
-        kwargs.setdefault("attention_backend", "CPU_MLA")  # the AMX backend needs vllm._C
+    config = json.loads((Path(model) / "config.json").read_text())
+    if config.get("kv_lora_rank"):  # MLA: the CPU's AMX backend needs vllm._C, absent here
+        kwargs.setdefault("attention_backend", "CPU_MLA")
         spec.setdefault("attention_backend", "CPU_MLA")
     return EngineArgs(
         model=str(model), load_format=load_format, speculative_config=spec,
