@@ -227,9 +227,13 @@ def test_compose_services() -> None:
     assert {s["image"] for s in c["services"].values()} == {local_tag}
     model, server, smoke = (c["services"][k] for k in ("model", "server", "smoke"))
 
-    assert model["entrypoint"] == ["hybrid-draft"] and model["command"][0] == "make-checkpoint"
+    # The generator idles once done, so that only the smoke service ever exits.
+    assert model["entrypoint"] == ["sh", "-c"]
+    assert model["command"][0].startswith("hybrid-draft make-checkpoint /model ")
+    assert model["command"][0].endswith("&& exec sleep infinity")
+    assert "model.safetensors.index.json" in model["healthcheck"]["test"][1]
     assert model["volumes"] == ["default-model:/model"]
-    assert server["depends_on"] == {"model": {"condition": "service_completed_successfully"}}
+    assert server["depends_on"] == {"model": {"condition": "service_healthy"}}
     (gpu,) = server["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert server["ipc"] == "host"
@@ -281,13 +285,21 @@ def test_server_command_parses_with_vllms_own_serve_parser(vllm_runtime: Any) ->
 def test_default_checkpoint_loads_in_real_vllm_as_target_and_mtp_draft(
     tmp_path: Path, events: Events, instanttensor_standin: Recorder,
 ) -> None:
-    command = compose()["services"]["model"]["command"]
+    command = compose()["services"]["model"]["command"][0]
+    generate = command.split(" && ")[0].split()
+    assert generate[0] == "hybrid-draft"
     out_dir = tmp_path / "model"
-    args = [out_dir if a == "/model" else a for a in command]
-    cli = [str(BIN / "hybrid-draft"), *map(str, args)]
+    cli = [str(BIN / "hybrid-draft"), *(str(out_dir) if a == "/model" else a
+                                        for a in generate[1:])]
     subprocess.run(cli, check=True, capture_output=True)
+    healthy = subprocess.run(["sh", "-c", compose()["services"]["model"]["healthcheck"][
+        "test"][1].replace("/model/", f"{out_dir}/")])
+    assert healthy.returncode == 0
     again = subprocess.run(cli, check=True, capture_output=True, text=True)
     assert "already there" in again.stdout  # --if-missing leaves a checkpoint alone
+    (out_dir / "model.safetensors.index.json").unlink()  # as if interrupted mid-write
+    redo = subprocess.run(cli, check=True, capture_output=True, text=True)
+    assert "already there" not in redo.stdout
 
     from transformers import AutoTokenizer
 

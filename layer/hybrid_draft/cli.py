@@ -61,15 +61,16 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     from hybrid_draft import synth
 
     out = Path(args.out_dir)
-    if args.if_missing and (out / "config.json").is_file():
+    if args.if_missing and synth.is_complete(out):
         print(f"{out}: a checkpoint is already there; leaving it")
         return 0
-    kwargs = {"moe": args.moe} if args.arch != "qwen3_5" else {}
+    kwargs = {"moe": args.moe} if args.arch not in ("qwen3_5", "qwen3") else {}
     layout = synth.ARCHITECTURES[args.arch](args.preset, **kwargs)
     shards = synth.shard(layout, num_shards=args.shards, mtp_own_shard=args.mtp_own_shard)
-    synth.write_checkpoint(out, layout, shards, fill=args.fill, seed=args.seed)
     if args.tokenizer:
+        out.mkdir(parents=True, exist_ok=True)
         synth.write_tokenizer(out, layout.config["vocab_size"])
+    synth.write_checkpoint(out, layout, shards, fill=args.fill, seed=args.seed)
     print(f"{out}: {args.arch}/{args.preset}, {len(shards)} shards, "
           f"{len(layout.tensors)} tensors, {layout.nbytes / 1e6:.1f} MB")
     return 0
@@ -103,9 +104,11 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)
 
+    from hybrid_draft import synth  # stdlib only: cheap enough for every command
+
     m = sub.add_parser("make-checkpoint", help="write a random-weight MTP checkpoint")
     m.add_argument("out_dir")
-    m.add_argument("--arch", choices=["qwen3_5", "deepseek_v3", "glm4_moe"], default="qwen3_5")
+    m.add_argument("--arch", choices=sorted(synth.ARCHITECTURES), default="qwen3_5")
     m.add_argument("--preset", default="default")
     m.add_argument("--shards", type=int, default=2)
     m.add_argument("--mtp-own-shard", action=argparse.BooleanOptionalAction, default=True)
@@ -114,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True)
     m.add_argument("--if-missing", action="store_true",
-                   help="do nothing when OUT_DIR already holds a config.json")
+                   help="do nothing when OUT_DIR already holds a complete checkpoint")
     m.set_defaults(func=_make_checkpoint)
 
     s = sub.add_parser("smoke", help="check a running server: models, completions, "

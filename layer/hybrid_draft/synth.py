@@ -486,11 +486,21 @@ def _write_data(f: object, tensors: list[Tensor], fill: str, seed: int) -> None:
         remaining -= len(chunk)
 
 
+def is_complete(directory: str | os.PathLike[str]) -> bool:
+    """A checkpoint is complete once its config and its index (or single shard) are there.
+
+    :func:`write_checkpoint` writes the index last, so a half-written one is not complete.
+    """
+    d = Path(directory)
+    return (d / "config.json").is_file() and (
+        (d / checkpoint.INDEX_NAME).is_file() or (d / "model.safetensors").is_file())
+
+
 def write_checkpoint(
     out_dir: str | os.PathLike[str], layout: Layout, shards: list[list[Tensor]], *,
     fill: str = "normal", seed: int = 0,
 ) -> Path:
-    """Write ``config.json``, the safetensors index and the shards; return the directory.
+    """Write ``config.json``, the shards and, last, the safetensors index; return the directory.
 
     ``fill``: ``normal`` (finite seeded values, numpy), ``noise`` (fast random bytes) or
     ``sparse`` (headers only; the data is a hole in the file).
