@@ -139,15 +139,6 @@ def draft_plan(directory: Path) -> dict[str, Any]:
 # --- running and reporting ---------------------------------------------------------------
 
 
-def _worker_env() -> dict[str, str]:
-    from hybrid_draft.bench.startup import cuda_available
-
-    env = dict(os.environ)
-    if not cuda_available():
-        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    return env
-
-
 def run_strategy(name: str, shared: dict[str, Any], runs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         spec = {**shared, "strategy": name, "runs": runs, "device": "cuda:0",
@@ -155,7 +146,7 @@ def run_strategy(name: str, shared: dict[str, Any], runs: int) -> dict[str, Any]
         spec_file = os.path.join(tmp, "spec.json")
         Path(spec_file).write_text(json.dumps(spec))
         subprocess.run([sys.executable, "-m", "hybrid_draft.bench.strategies", spec_file],
-                       check=True, env=_worker_env(), stdout=subprocess.DEVNULL)
+                       check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(spec["result_file"]).read_text())
 
 
@@ -257,9 +248,10 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     directory = Path(args.checkpoint or out / f"checkpoint-{args.size:g}GiB")
     prepare_checkpoint(directory, args.size)
-    os.environ.update({k: v for k, v in _worker_env().items() if k == "VLLM_TARGET_DEVICE"})
-    shared = draft_plan(directory)
     gpu = startup.cuda_available()
+    if not gpu:  # vLLM (here and in the workers, which inherit this) runs on its CPU platform
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    shared = draft_plan(directory)
     chosen = (args.strategies.split(",") if args.strategies
               else [*CPU_STRATEGIES, *(GPU_STRATEGIES if gpu else ())])
     if not vllm_available():

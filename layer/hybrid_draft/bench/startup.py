@@ -67,8 +67,6 @@ def hook_cost(runs: int, python: str = sys.executable) -> dict[str, Any]:
     import json
 
     env = {**os.environ, "HYBRID_DRAFT_DISABLE": "1"}
-    if not cuda_available():
-        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     imports, hooks = [], []
     for _ in range(runs):
         out = subprocess.run([python, "-c", HOOK], check=True, env=env, capture_output=True,
