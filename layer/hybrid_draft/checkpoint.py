@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -108,12 +108,3 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> list[Shard]:
 def read_files(paths: Iterable[str | os.PathLike[str]]) -> list[Shard]:
     return [read_shard(p) for p in paths]
 
-
-def wanted(shards: Iterable[Shard], is_unused: Callable[[str], bool]) -> dict[Path, list[str]]:
-    """Per shard, the tensor names a draft keeps (shards keeping none are left out)."""
-    out: dict[Path, list[str]] = {}
-    for shard in shards:
-        keep = [t.name for t in shard.tensors if not is_unused(t.name)]
-        if keep:
-            out[shard.path] = keep
-    return out

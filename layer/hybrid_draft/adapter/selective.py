@@ -41,11 +41,15 @@ class Plan:
 
 
 def make_plan(files: Iterable[str], is_unused: Any) -> Plan:
-    shards = checkpoint.read_files(sorted(files))
-    keep = checkpoint.wanted(shards, is_unused)
-    kept_names = {n for names in keep.values() for n in names}
-    nbytes = sum(t.nbytes for s in shards for t in s.tensors if t.name in kept_names)
-    return Plan({str(p): names for p, names in keep.items()}, nbytes)
+    """The tensors ``is_unused`` keeps, per shard in file order, from the shard headers."""
+    keep: dict[str, list[str]] = {}
+    nbytes = 0
+    for shard in checkpoint.read_files(sorted(files)):
+        for t in shard.tensors:
+            if not is_unused(t.name):
+                keep.setdefault(str(shard.path), []).append(t.name)
+                nbytes += t.nbytes
+    return Plan(keep, nbytes)
 
 
 def tensor_filter_supported() -> str | None:
