@@ -116,10 +116,9 @@ def draft_plan(directory: Path) -> dict[str, Any]:
         unused = lambda name: name not in wanted  # noqa: E731
         draft_class, source = "DeepSeekMTP", "layout"
     reads = plan.modes(shards, unused, None)
-    ranges = [(str(s.path), t.start, t.end, t.name) for s in shards for t in s.tensors
-              if not unused(t.name)]
-    meta = {t.name: (t.dtype, list(t.shape)) for s in shards for t in s.tensors
-            if not unused(t.name)}
+    kept = [(s, t) for s in shards for t in s.tensors if not unused(t.name)]
+    ranges = [(str(s.path), t.start, t.end, t.name) for s, t in kept]
+    meta = {t.name: (t.dtype, list(t.shape)) for _, t in kept}
     by_name = {s.name: str(s.path) for s in shards}
     return {
         "draft_class": draft_class,
