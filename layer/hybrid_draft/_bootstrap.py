@@ -31,7 +31,7 @@ def _report(stage: str, exc: BaseException) -> None:
 
         emit("hybrid_draft.patch_skipped", "warning", reason=f"{stage}: {exc!r}",
              vllm_version=_vllm_version())
-    except BaseException:
+    except BaseException:  # the interpreter must survive anything here: plain JSON instead
         try:
             import json
             import os
@@ -44,7 +44,7 @@ def _report(stage: str, exc: BaseException) -> None:
                 "vllm_version": _vllm_version(),
             })
             sys.stderr.write(line + "\n")
-        except BaseException:
+        except BaseException:  # not even stderr: stay silent rather than break start-up
             pass
 
 
@@ -59,7 +59,7 @@ def _run_hook(fullname: str, module: object) -> None:
         mod_name, _, func_name = target.partition(":")
         __import__(mod_name)
         getattr(sys.modules[mod_name], func_name)(module)
-    except BaseException as exc:
+    except BaseException as exc:  # never break the import of vLLM
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         _report(f"hook for {fullname}", exc)
@@ -116,7 +116,7 @@ def install() -> None:
             module = sys.modules.get(fullname)
             if module is not None:  # imported before us (e.g. install() called late)
                 _run_hook(fullname, module)
-    except BaseException as exc:
+    except BaseException as exc:  # a .pth line must never break start-up
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         _report("install", exc)

@@ -41,7 +41,7 @@ def check_installed() -> Check:
 def check_vllm() -> Check:
     try:
         import vllm.model_executor.model_loader as loader
-    except Exception as exc:
+    except Exception as exc:  # report it as a failed check; the doctor itself never crashes
         return False, f"vllm: cannot import vllm.model_executor.model_loader: {exc!r}"
     from hybrid_draft.adapter import patch
 
@@ -55,7 +55,7 @@ def check_vllm() -> Check:
 def check_instanttensor() -> Check:
     try:
         import instanttensor
-    except Exception as exc:
+    except Exception as exc:  # its CUDA extension may fail to load, not only be missing
         return False, f"instanttensor: does not import: {exc!r}"
     from importlib.metadata import PackageNotFoundError, version
 

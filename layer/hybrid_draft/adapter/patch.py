@@ -58,7 +58,7 @@ def shape_problem(module: Any) -> str | None:
         from vllm.config.load import LoadConfig
 
         fields = {f.name for f in dataclasses.fields(LoadConfig)}
-    except Exception as exc:
+    except Exception as exc:  # any failure means "not a shape we know"
         return f"vllm.config.load.LoadConfig is not a dataclass: {exc!r}"
     if "load_format" not in fields:
         return "LoadConfig has no load_format field"
@@ -155,7 +155,7 @@ def _install_rule(call: configs.Call) -> str | None:
         from hybrid_draft.adapter.selective import draft_class
 
         return rules.install(draft_class(call.model_config))
-    except Exception:
+    except Exception:  # vLLM's own load will report a class it cannot resolve
         return None
 
 
