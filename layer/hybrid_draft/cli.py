@@ -64,14 +64,20 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     if args.if_missing and synth.is_complete(out):
         print(f"{out}: a checkpoint is already there; leaving it")
         return 0
+    presets = synth.PRESETS[args.arch]
+    preset = args.preset or ("default" if "default" in presets else "tiny")
+    if preset not in presets:
+        print(f"hybrid-draft make-checkpoint: --preset {preset!r} is not one of --arch "
+              f"{args.arch}'s presets: {', '.join(presets)}", file=sys.stderr)
+        return 2
     kwargs = {"moe": args.moe} if args.arch not in ("qwen3_5", "qwen3") else {}
-    layout = synth.ARCHITECTURES[args.arch](args.preset, **kwargs)
+    layout = synth.ARCHITECTURES[args.arch](preset, **kwargs)
     shards = synth.shard(layout, num_shards=args.shards, mtp_own_shard=args.mtp_own_shard)
     if args.tokenizer:
         out.mkdir(parents=True, exist_ok=True)
         synth.write_tokenizer(out, layout.config["vocab_size"])
     synth.write_checkpoint(out, layout, shards, fill=args.fill, seed=args.seed)
-    print(f"{out}: {args.arch}/{args.preset}, {len(shards)} shards, "
+    print(f"{out}: {args.arch}/{preset}, {len(shards)} shards, "
           f"{len(layout.tensors)} tensors, {layout.nbytes / 1e6:.1f} MB")
     return 0
 
@@ -109,7 +115,11 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-checkpoint", help="write a random-weight MTP checkpoint")
     m.add_argument("out_dir")
     m.add_argument("--arch", choices=sorted(synth.ARCHITECTURES), default="qwen3_5")
-    m.add_argument("--preset", default="default")
+    listed = "; ".join(f"{a}: {', '.join(p)}" for a, p in synth.PRESETS.items())
+    m.add_argument("--preset", default=None,
+                   help=f"the shapes ({listed}); default: `default` where the architecture "
+                        f"has one, else `tiny`. `cpu` ({', '.join(synth.CPU_SERVABLE)}): "
+                        "shapes vLLM's CPU build serves")
     m.add_argument("--shards", type=int, default=2)
     m.add_argument("--mtp-own-shard", action=argparse.BooleanOptionalAction, default=True)
     m.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True)
