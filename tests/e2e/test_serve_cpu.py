@@ -81,6 +81,7 @@ def test_smoke_passes(served: Served) -> None:
     with Timer(f"server {run.name}: hybrid-draft smoke"):
         out = served.cpu_env.cli("smoke", "--url", server.url, "--events-file",
                                  server.events_file, "--mode", run.mode, check=False)
+    print(f"\n{run.name}: hybrid-draft smoke\n{out.stdout}")
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n{server.log_tail()}"
     lines = out.stdout.splitlines()
     checks = lines[:lines.index("")]
