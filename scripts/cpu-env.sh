@@ -20,6 +20,9 @@
 # import next to a CPU torch ("operator torchvision::nms does not exist") and which
 # transformers imports when present: `install` removes them (text models do not need
 # them). vLLM's CPU kernels want the system library libnuma (Debian: libnuma1).
+#
+# Pins come from $PINS (default: pins.txt next to this script's folder); the wheels are for
+# the Python that fills the wheelhouse ($PYTHON, default python3: 3.11 here, as torch's).
 set -eu
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
