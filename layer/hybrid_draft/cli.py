@@ -46,11 +46,21 @@ def _plan(args: argparse.Namespace) -> int:
     except (OSError, checkpoint.CheckpointError) as exc:
         print(f"hybrid-draft plan: {exc}", file=sys.stderr)
         return 2
-    from hybrid_draft.adapter import inspect
+    from hybrid_draft.adapter import checks, inspect
 
-    draft = inspect.mtp_draft(args.model_dir)
-    reads = plan.modes(shards, draft.is_unused, draft.vllm_rule)
-    result = plan.report(args.model_dir, draft.draft_class, draft.rule_source, shards, reads)
+    try:
+        draft = inspect.mtp_draft(args.model_dir, trust_remote_code=args.trust_remote_code)
+    except inspect.PlanError as exc:
+        print(f"hybrid-draft plan: {exc}", file=sys.stderr)
+        return 2
+    is_unused = plan.evaluated(shards, draft.is_unused)
+    vllm_rule = (is_unused if draft.vllm_rule is draft.is_unused
+                 else plan.evaluated(shards, draft.vllm_rule))
+    reads = plan.modes(shards, is_unused, vllm_rule, checks.selective_host_blocker(),
+                       draft_class=draft.draft_class or "draft")
+    found = plan.warnings(shards, draft.draft_class, is_unused, draft.mtp_layers, draft.notes)
+    result = plan.report(args.model_dir, draft.draft_class, draft.rule_source, shards, reads,
+                         found)
     print(json.dumps(result, indent=2) if args.json else plan.table(result))
     return 0
 
@@ -102,6 +112,9 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="what a same-checkpoint MTP draft reads under each mode")
     pl.add_argument("model_dir")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--trust-remote-code", action="store_true",
+                    help="let transformers run configuration code shipped with the checkpoint "
+                         "(never run otherwise)")
     pl.set_defaults(func=_plan)
 
     from hybrid_draft import synth  # stdlib only: cheap enough for every command

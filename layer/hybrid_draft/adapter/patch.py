@@ -126,6 +126,9 @@ def decide(vllm_config: Any, model_config: Any, load_config: Any) -> Any:
     extra: dict[str, Any] = {}
     if request.role == "draft":
         extra["pruning_rule"] = _install_rule(call)
+        from hybrid_draft.adapter import checks
+
+        extra["warnings"] = checks.draft_warnings(call)  # never raises
     if decision.reason == "selective":
         from hybrid_draft.adapter import selective
 
