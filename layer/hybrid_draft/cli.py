@@ -35,11 +35,19 @@ def _doctor(_args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import gc
 
-    from hybrid_draft import checkpoint, plan
-
     # 92,000 header entries in a process holding vLLM: the cyclic GC would rescan the heap
-    # many times over (it doubles the plan's time); this short-lived command needs none.
+    # many times over (it doubles the plan's time); planning needs none.
+    enabled = gc.isenabled()
     gc.disable()
+    try:
+        return _plan_checkpoint(args)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_checkpoint(args: argparse.Namespace) -> int:
+    from hybrid_draft import checkpoint, plan
 
     try:
         shards = checkpoint.read_checkpoint(args.model_dir)
@@ -53,9 +61,14 @@ def _plan(args: argparse.Namespace) -> int:
     except inspect.PlanError as exc:
         print(f"hybrid-draft plan: {exc}", file=sys.stderr)
         return 2
-    is_unused = plan.evaluated(shards, draft.is_unused)
-    vllm_rule = (is_unused if draft.vllm_rule is draft.is_unused
-                 else plan.evaluated(shards, draft.vllm_rule))
+    try:  # a rule reads the config: one that lacks what it needs fails here
+        is_unused = plan.evaluated(shards, draft.is_unused)
+        vllm_rule = (is_unused if draft.vllm_rule is draft.is_unused
+                     else plan.evaluated(shards, draft.vllm_rule))
+    except Exception as exc:
+        print(f"hybrid-draft plan: {args.model_dir}: the {draft.draft_class} weight rule "
+              f"fails on this config: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     reads = plan.modes(shards, is_unused, vllm_rule, checks.selective_host_blocker(),
                        draft_class=draft.draft_class or "draft")
     found = plan.warnings(shards, draft.draft_class, is_unused, draft.mtp_layers, draft.notes)

@@ -55,6 +55,8 @@ WARNINGS = {
     "needs_trust_remote_code": "the config's model type is defined by code shipped with the "
                                "checkpoint: vLLM loads it only with --trust-remote-code",
     "unknown_model_type": "neither transformers nor vLLM knows the config's model type",
+    "unsupported_architecture": "vLLM does not register the checkpoint's architecture: it "
+                                "cannot load the target",
 }
 
 
@@ -125,8 +127,8 @@ def _selected(shards: list[Shard], is_unused: Rule) -> Reads:
 
 def evaluated(shards: list[Shard], rule: Rule | None) -> Rule | None:
     """The rule as a set lookup: evaluated once per name, however many rows ask."""
-    if rule is None:
-        return None
+    if rule is None or isinstance(getattr(rule, "__self__", None), set):
+        return rule  # none, or evaluated already
     unused = {t.name for s in shards for t in s.tensors if rule(t.name)}
     return unused.__contains__
 
@@ -195,11 +197,11 @@ def warnings(shards: list[Shard], draft_class: str | None, is_unused: Rule | Non
     if not any(is_own_tensor(n) for n in kept):
         declared = ("declares no MTP layers" if not mtp_layers else
                     f"declares {mtp_layers} MTP layer{'s' if mtp_layers != 1 else ''}")
-        shared = f"only shared ones ({', '.join(kept[:3])})" if kept else "nothing"
+        shared = (f", only the {len(kept)} it shares with the target ({', '.join(kept[:3])}"
+                  f"{', ...' if len(kept) > 3 else ''})" if kept else "")
         out.append({"code": "no_draft_tensors", "detail": (
             f"the config {declared} but the {len(shards)} shards hold none of "
-            f"{draft_class}'s own tensors ({draft_class} keeps {shared}): vLLM cannot "
-            "load this draft")})
+            f"{draft_class}'s own tensors{shared}: vLLM cannot load this draft")})
     return out
 
 
@@ -266,8 +268,12 @@ def table(result: dict[str, Any]) -> str:
         line = (f"{name:<22}{len(r['shards']):>8}{tensors:>10}{_gb(r['bytes']):>16}"
                 f"{share:>15}{r['touched_tensors']:>10,}")
         if r.get("fallback"):
-            line += f"  (falls back here: {r['fallback']})"
+            line += f"  fallback: {r['fallback']}"
         lines.append(line)
-    lines.append("(lazy and lazy_pruned also read up to ~2 readahead windows of each touched "
-                 "tensor they do not keep; ? = only the class's load_weights knows)")
+    for name, r in result["modes"].items():
+        if r.get("fallback"):
+            lines.append(f"{name} falls back to the auto row here: {r['detail']}")
+    lines.append("(a row touching more tensors than it keeps also reads up to ~2 readahead "
+                 "windows of each one it does not keep; ?: only the class's load_weights "
+                 "knows)")
     return "\n".join(lines)

@@ -159,6 +159,9 @@ def mtp_draft(model_dir: str, trust_remote_code: bool = False) -> Draft:
                             f"{_vllm_version()} supports")
         raise PlanError(f"{path}: {_vllm_version()} has no MTP draft for {before[0]} "
                         "(speculative method 'mtp' does not apply to it)")
+    if before[0] not in ModelRegistry.get_supported_archs():
+        notes = (*notes, ("unsupported_architecture", f"{_vllm_version()} does not register "
+                          f"{before[0]}: it cannot load the target this draft belongs to"))
     layers = mtp_layers(config)
     cls = ModelRegistry._try_load_model_cls(after[0])
     if cls is None:
