@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -128,3 +128,36 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> list[Shard]:
 def read_files(paths: Iterable[str | os.PathLike[str]]) -> list[Shard]:
     return [read_shard(p) for p in paths]
 
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The tensors a draft keeps, per shard in file order, each shard's names in file order.
+
+    What the draft loaders read (``adapter/loaders.py``): a shard with no kept tensor is
+    never opened, a rejected tensor is never touched.
+    """
+
+    files: dict[str, list[str]]
+    nbytes: int
+
+    @property
+    def names(self) -> list[str]:
+        return [n for names in self.files.values() for n in names]
+
+    def summary(self) -> dict[str, int]:
+        return {"planned_shards": len(self.files), "planned_tensors": len(self.names),
+                "planned_bytes": self.nbytes}
+
+
+def select(files: Iterable[str | os.PathLike[str]], is_unused: Callable[[str], bool]
+           ) -> Selection:
+    """The tensors ``is_unused`` keeps, from the shard headers (no tensor data is read)."""
+    keep: dict[str, list[str]] = {}
+    nbytes = 0
+    for shard in read_files(sorted(str(f) for f in files)):
+        for t in shard.tensors:
+            if not is_unused(t.name):
+                keep.setdefault(str(shard.path), []).append(t.name)
+                nbytes += t.nbytes
+    return Selection(keep, nbytes)
