@@ -33,12 +33,6 @@ def run_plan(model: Path, *flags: str, env: dict[str, str] | None = None
                           env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})})
 
 
-def plan_json(model: Path, *flags: str) -> dict[str, Any]:
-    out = run_plan(model, "--json", *flags)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
-
-
 def plan_here(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """``hybrid-draft plan`` in this process (vLLM is imported once for all such tests)."""
     from hybrid_draft import cli
@@ -47,6 +41,12 @@ def plan_here(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str,
     code = cli.main(["plan", *argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], model: Path) -> dict[str, Any]:
+    code, out, err = plan_here(capsys, str(model), "--json")
+    assert code == 0, err[-2000:]
+    return json.loads(out)
 
 
 def shard_contents(model: Path) -> dict[str, dict[str, int]]:
@@ -132,8 +132,9 @@ def spec_rule(model: Path, top: tuple[str, ...]) -> Any:
 # --- rows ----------------------------------------------------------------------------------
 
 
-def test_plan_qwen35_uses_vllms_own_rule(qwen35: Path) -> None:
-    result = plan_json(qwen35)
+def test_plan_qwen35_uses_vllms_own_rule(qwen35: Path, capsys: pytest.CaptureFixture[str]
+                                          ) -> None:
+    result = plan_json(capsys, qwen35)
     contents = shard_contents(qwen35)
     assert (result["draft_class"], result["rule_source"]) == ("Qwen3_5MTP", "vllm")
     assert rows(result) == expected(contents, qwen35_rule, qwen35_rule)
@@ -152,12 +153,13 @@ def test_plan_qwen35_uses_vllms_own_rule(qwen35: Path) -> None:
      ("model.embed_tokens.weight", "lm_head.weight"), "Glm4MoeMTP"),
 ])
 def test_plan_with_the_projects_rules(name: str, layout: Any, top: tuple[str, ...], cls: str,
-                                      ckpt_root: Path) -> None:
+                                      ckpt_root: Path, capsys: pytest.CaptureFixture[str]
+                                      ) -> None:
     model = ckpt_root / name
     if not model.exists():
         lay = layout()
         synth.write_checkpoint(model, lay, synth.shard(lay, num_shards=5))
-    result = plan_json(model)
+    result = plan_json(capsys, model)
     assert (result["draft_class"], result["rule_source"]) == (cls, "hybrid-draft")
     contents = shard_contents(model)
     assert rows(result) == expected(contents, spec_rule(model, top), None)
@@ -166,13 +168,14 @@ def test_plan_with_the_projects_rules(name: str, layout: Any, top: tuple[str, ..
     assert len(result["modes"]["auto"]["shards"]) < 5
 
 
-def test_plan_full_size_deepseek_v3_layout(ckpt_root: Path) -> None:
+def test_plan_full_size_deepseek_v3_layout(ckpt_root: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     """163 shards, 91,991 tensors, 688 GB of FP8 weights; headers only (sparse files)."""
     model = ckpt_root / "deepseek-v3-full"
     layout = synth.deepseek_v3("full", fp8=True)
     if not model.exists():
         synth.write_checkpoint(model, layout, synth.shard(layout, num_shards=163), fill="sparse")
-    result = plan_json(model)
+    result = plan_json(capsys, model)
     contents = shard_contents(model)
     assert result["checkpoint"] == {"shards": 163, "tensors": 91991, "bytes": layout.nbytes}
     assert len(contents) == 163 and sum(map(len, contents.values())) == 91991
@@ -195,12 +198,11 @@ def test_plan_full_size_deepseek_v3_layout(ckpt_root: Path) -> None:
     assert len(draft_shards) <= 6 and draft_bytes < 0.03 * layout.nbytes
 
 
-def test_plan_human_table(qwen35: Path) -> None:
-    out = run_plan(qwen35)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
-    assert "Qwen3_5MTP" in out.stdout and "weight rule: vllm" in out.stdout
-    assert "tensor filter on" in out.stdout
+def test_plan_human_table(qwen35: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = plan_here(capsys, str(qwen35))
+    assert code == 0
+    lines = out.splitlines()
+    assert "Qwen3_5MTP" in out and "weight rule: vllm" in out and "tensor filter on" in out
     table = {line.split()[0]: line for line in lines
              if len(line.split()) > 1 and line.split()[1].isdigit()}
     assert list(table) == ["instanttensor", "instanttensor_pruned", "lazy", "lazy_pruned",
@@ -229,9 +231,7 @@ def test_each_row_is_what_real_vllm_loads(
     """The draft's ``hybrid_draft.loaded`` event (shards opened, tensors yielded to the
     model) and its decision (fallback, tensor filter) against the plan's row for that mode."""
     model: Path = request.getfixturevalue(fixture)
-    code, out, _ = plan_here(capsys, str(model), "--json")
-    assert code == 0
-    result = json.loads(out)
+    result = plan_json(capsys, model)
     row = result["modes"][LOADS[mode]]
 
     spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": 1}
@@ -309,9 +309,7 @@ def test_plan_mimo_without_remote_code(mimo: Path, capsys: pytest.CaptureFixture
     ``configuration_mimo.MiMoConfig``: plan reads it as a plain config instead."""
     from hybrid_draft.adapter import inspect
 
-    code, out, err = plan_here(capsys, str(mimo), "--json")
-    assert code == 0, err
-    result = json.loads(out)
+    result = plan_json(capsys, mimo)
     assert result["draft_class"] == "MiMoMTP"
     # The class's rule, whoever ships it (vLLM 0.33 has none; hybrid-draft may add one).
     draft = inspect.mtp_draft(str(mimo))
@@ -428,9 +426,7 @@ def reap(ckpt_root: Path) -> Path:
 def test_plan_flags_a_checkpoint_without_mtp_tensors(
     reap: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, out, err = plan_here(capsys, str(reap), "--json")
-    assert code == 0, err
-    result = json.loads(out)
+    result = plan_json(capsys, reap)
     assert (result["draft_class"], result["rule_source"]) == ("Qwen3_5MoeMTP", "vllm")
     # vLLM's rule keeps the shared embedding and LM head: still a plan to read them...
     contents = shard_contents(reap)
@@ -464,9 +460,7 @@ def test_load_time_decision_warns_before_vllm_fails(
     qwen35_without_mtp: Path, events: Events, instanttensor_standin: Recorder,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, out, _ = plan_here(capsys, str(qwen35_without_mtp), "--json")
-    assert code == 0
-    planned = json.loads(out)["warnings"]
+    planned = plan_json(capsys, qwen35_without_mtp)["warnings"]
     assert [w["code"] for w in planned] == ["no_draft_tensors"]
 
     with pytest.raises(ValueError, match="not initialized from checkpoint") as info:
