@@ -444,6 +444,28 @@ def test_plan_flags_a_checkpoint_without_mtp_tensors(
     assert f"warning      no_draft_tensors: {warning['detail']}" in out.splitlines()
 
 
+def test_plan_flags_a_deepseek_export_without_its_mtp_layer(
+    ckpt_root: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A DeepSeek-V3 re-export that dropped layer N (the MTP layer), as many quantized ones
+    do: this layer's DeepSeekMTP rule still keeps the shared embedding, and nothing else."""
+    model = ckpt_root / "deepseek-without-layer-n"
+    layout = synth.deepseek_v3("tiny")
+    if not model.exists():
+        body = synth.Layout(layout.config, [t for t in layout.tensors
+                                            if t.name not in layout.is_mtp])
+        synth.write_checkpoint(model, body, synth.shard(body, num_shards=3))
+    result = plan_json(capsys, model)
+    assert (result["draft_class"], result["rule_source"]) == ("DeepSeekMTP", "hybrid-draft")
+    contents = shard_contents(model)
+    top = ("model.embed_tokens.weight",)
+    assert rows(result) == expected(contents, spec_rule(model, top), None)
+    assert result["modes"]["auto"]["tensors"] == len(top)
+    (warning,) = result["warnings"]
+    assert warning["code"] == "no_draft_tensors"
+    assert "declares 1 MTP layer" in warning["detail"] and top[0] in warning["detail"]
+
+
 @pytest.fixture(scope="session")
 def qwen35_without_mtp(ckpt_root: Path) -> Path:
     """A tiny Qwen3.5 whose config declares one MTP layer but whose shards hold none."""
