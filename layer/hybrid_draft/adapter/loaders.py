@@ -20,6 +20,7 @@ weights, a class without one) is read by vLLM's own lazy safetensors iterator.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Generator
 from typing import Any
@@ -45,6 +46,39 @@ def _tqdm(total: int, desc: str, use_tqdm: bool, **kwargs: Any) -> Any:
                 **kwargs)
 
 
+#: How far ahead of the tensor being taken the kernel is asked to read the kept ranges.
+PREFETCH_BYTES = 256 << 20
+
+
+class _Prefetch:
+    """Asks the kernel to start reading the kept byte ranges a window ahead of use.
+
+    Without it every kept tensor is read by page faults on its mapping, a readahead
+    window at a time; with it the kernel reads exactly the kept ranges in large requests,
+    and the mapping's faults find them cached. ``POSIX_FADV_WILLNEED`` only schedules
+    reads: nothing outside the kept ranges is fetched. A no-op where the OS has no fadvise.
+    """
+
+    def __init__(self, path: str, ranges: list[tuple[int, int]]) -> None:
+        self.ranges, self.issued, self.ahead = ranges, 0, 0
+        self.fd = os.open(path, os.O_RDONLY) if hasattr(os, "posix_fadvise") else None
+
+    def before(self, i: int) -> None:
+        """Called before tensor ``i`` is taken: keep the window ahead of it scheduled."""
+        while self.fd is not None and self.issued < len(self.ranges) and (
+                self.issued <= i or self.ahead < PREFETCH_BYTES):
+            start, end = self.ranges[self.issued]
+            os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            self.ahead += end - start
+            self.issued += 1
+        start, end = self.ranges[i]
+        self.ahead -= end - start
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
 def lazy_filtered_iterator(selection: checkpoint.Selection, use_tqdm_on_load: bool = True
                            ) -> Weights:
     """Memory-map each selected shard and take only its kept tensors, in file order."""
@@ -53,9 +87,14 @@ def lazy_filtered_iterator(selection: checkpoint.Selection, use_tqdm_on_load: bo
     with _tqdm(len(selection.files), "Loading the draft's tensors (lazy safetensors, "
                "filtered)", use_tqdm_on_load, unit="shard") as bar:
         for path, names in selection.files.items():
-            with safe_open(path, framework="pt") as f:
-                for name in names:
-                    yield name, f.get_tensor(name)
+            prefetch = _Prefetch(path, selection.ranges[path])
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for i, name in enumerate(names):
+                        prefetch.before(i)
+                        yield name, f.get_tensor(name)
+            finally:
+                prefetch.close()
             bar.update(1)
 
 
