@@ -8,6 +8,7 @@ model class in a subprocess), so ``hybrid-draft plan`` stays well under a second
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ def mtp_draft(model_dir: str) -> Draft:
 
     config = get_config(model_dir, trust_remote_code=False)
     before = list(getattr(config, "architectures", None) or [])
+    target = copy.deepcopy(config)  # the override rewrites the config in place
     config = SpeculativeConfig.hf_config_override(config)
     after = list(getattr(config, "architectures", None) or [])
     if not after or after == before:
@@ -44,8 +46,9 @@ def mtp_draft(model_dir: str) -> Draft:
         rule = rules.probe(cls, config)
         return Draft(cls.__name__, source, rule, rule)
     if source == "hybrid-draft":
-        ours = rules.RULES.get((cls.__module__, cls.__name__))
-        rule = functools.partial(ours, config) if ours else rules.probe(cls, config)
-        return Draft(cls.__name__, source, rule, None)
+        ours = rules.rule_for(cls)
+        assert ours is not None
+        return Draft(cls.__name__, source,
+                     functools.partial(ours, rules.config_for(cls, target, config)), None)
     return Draft(cls.__name__, source, None, None)
 
