@@ -373,3 +373,86 @@ def test_each_rule_is_exactly_what_its_load_weights_consumes(
     # Without building the model, the rule answers the same from the configs vLLM has.
     probe = rules.probe_for(cls, target_config, draft_config)
     assert probe is not None and {n for n in names if not probe(n)} == kept
+
+
+def test_a_subclass_sharing_load_weights_shares_the_rule(vllm_runtime: Any) -> None:
+    from vllm.model_executor.models.mimo_v2_mtp import MiMoV2MTP, MiMoV2OmniMTP
+
+    from hybrid_draft.adapter import rules
+
+    assert MiMoV2OmniMTP.load_weights is MiMoV2MTP.load_weights
+    assert rules.rule_for(MiMoV2OmniMTP) is rules.rule_for(MiMoV2MTP) is not None
+    assert rules.install(MiMoV2OmniMTP) == "hybrid-draft"
+    cfg = types.SimpleNamespace(num_hidden_layers=48, num_nextn_predict_layers=3)
+    probe = rules.probe(MiMoV2OmniMTP, cfg)
+    assert probe is not None and not probe("model.mtp.layers.0.eh_proj.weight")
+    assert probe("model.mtp.layers.1.eh_proj.weight")  # vLLM builds the first one only
+
+
+def test_rules_never_raise_and_answer_a_bool(vllm_runtime: Any) -> None:
+    from hybrid_draft.adapter import rules
+
+    configs = [None, object(), types.SimpleNamespace(num_hidden_layers="x"),
+               types.SimpleNamespace(num_hidden_layers=61, num_nextn_predict_layers=None)]
+    names = ["", ".", "model.layers..x", "model.layers.99999999999999999999999.a",
+             "model.layers.-1.eh_proj.weight", "lm_head.weight", "x" * 10_000]
+    for rule in rules.RULES.values():
+        for config in configs:
+            for name in names:
+                assert isinstance(rule(config, name), bool)
+
+
+def test_every_shipped_rule_has_a_proof_on_real_vllm(vllm_runtime: Any) -> None:
+    """Each rule is proven by a family above (or, DeepSeek/GLM-4.5, by its own test)."""
+    from hybrid_draft.adapter import rules
+
+    proven = {f.draft for f in FAMILIES.values()} | {"DeepSeekMTP", "Glm4MoeMTP"}
+    assert {cls for _, cls in rules.RULES} == proven
+
+
+def test_rules_lists_every_draft_class_vllm_registers(
+    vllm_runtime: Any, capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
+
+    from hybrid_draft import cli
+    from hybrid_draft.adapter import rules
+
+    assert cli.main(["rules", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    from hybrid_draft.adapter import patch
+
+    assert out["vllm_version"] == patch.vllm_version()
+    rows = out["classes"]
+    assert [r["architecture"] for r in rows] == list(_SPECULATIVE_DECODING_MODELS)
+    for r in rows:
+        assert set(r) == {"architecture", "class", "kind", "rule", "detail"}
+        assert r["kind"] in ("mtp", "standalone") and r["rule"] in ("vllm", "hybrid-draft",
+                                                                       "none")
+    mtp = [r for r in rows if r["kind"] == "mtp"]
+    assert any(r["rule"] == "vllm" for r in mtp) and any(r["rule"] == "hybrid-draft"
+                                                          for r in mtp)
+    # An MTP draft without a rule is one this platform cannot load at all.
+    for r in mtp:
+        if r["rule"] == "none":
+            assert ("does not import here" in r["detail"]
+                    or "no load_weights on this platform" in r["detail"]), r
+    # Every rule we ship applies to a class vLLM registers (none is stale).
+    listed = {r["class"] for r in rows if r["rule"] == "hybrid-draft"}
+    assert {cls for _, cls in rules.RULES} <= listed
+
+
+def test_doctor_says_how_many_mtp_classes_prune_their_checkpoint(vllm_runtime: Any) -> None:
+    import re
+
+    from hybrid_draft import doctor
+
+    ok, line = doctor.check_rules()
+    assert ok, line
+    m = re.match(r"rules: (\d+) of (\d+) MTP draft classes prune their checkpoint "
+                 r"\((\d+) vLLM, (\d+) hybrid-draft\)", line)
+    assert m, line
+    pruned, total, by_vllm, ours = map(int, m.groups())
+    assert pruned == by_vllm + ours <= total and ours >= len(FAMILIES)
