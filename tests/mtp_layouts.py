@@ -240,7 +240,7 @@ _MIMO_V2_ATTN = {
     "self_attn.attention_sink_bias": "NH:F32",
 }
 family("mimo_v2", Family(
-    "MiMoV2MTP", "XiaomiMiMo/MiMo-V2-Flash config fields; model.mtp.layers.* names",
+    "MiMoV2MTP", "MiMo-V2-Flash config (public fixture), names (public ignore-lists, vLLM)",
     config=dict(
         architectures=["MiMoV2FlashForCausalLM"], model_type="mimo_v2_flash",
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -274,9 +274,10 @@ QK_NORM = {"self_attn.q_norm.weight": "HD", "self_attn.k_norm.weight": "HD"}
 _EXPERTS = {k: v for k, v in MOE.items() if ".experts." in k}
 
 # ERNIE-4.5-21B-A3B: a flat model.mtp_* block (emb/hidden norms, linear projection, a dense
-# decoder block). Names: baidu/ERNIE-4.5-21B-A3B-PT's index (its 12 MTP keys), shrunk.
+# decoder block). Names: baidu/ERNIE-4.5-21B-A3B-PT's 12 MTP keys, as a public test quotes
+# its index, and vLLM's ErnieMTP mapper; shrunk.
 family("ernie", Family(
-    "ErnieMTP", "baidu/ERNIE-4.5-21B-A3B-PT config.json + index (MTP keys)",
+    "ErnieMTP", "ERNIE-4.5-21B-A3B-PT MTP keys (as a public test quotes its index) + vLLM mapper",
     config=dict(architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe",
                 vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -299,9 +300,10 @@ family("ernie", Family(
 ))
 
 # K-EXAONE (ExaoneMoe): a Qwen3-Next-style mtp.* head (fc, two input norms, layers, norm).
-# Names: LGAI-EXAONE/K-EXAONE-236B-A23B's index (mtp.* keys), shrunk.
+# Config: transformers' ExaoneMoeConfig fields; names: the mtp.* keys vLLM's ExaoneMoeMTP
+# loads (no public index was found).
 family("exaone_moe", Family(
-    "ExaoneMoeMTP", "LGAI-EXAONE/K-EXAONE-236B-A23B config.json + index (mtp.* keys)",
+    "ExaoneMoeMTP", "vLLM's ExaoneMoeMTP loader (mtp.* keys; no public index found)",
     config=dict(architectures=["ExaoneMoeForCausalLM"], model_type="exaone_moe",
                 vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -323,10 +325,10 @@ family("exaone_moe", Family(
 ))
 
 # LongCat-Flash: the MTP head under model.mtp.* in its own naming (enorm.m, hnorm.m,
-# transformer_layer.mlp, its own embedding). Names: meituan-longcat/LongCat-Flash-Chat's
-# index, as vLLM's LongCatFlashMTP maps them one by one.
+# transformer_layer.mlp, its own embedding). Names: the meituan-longcat/LongCat-Flash-Chat
+# keys vLLM's LongCatFlashMTP maps one by one (the same list appears in public ports).
 family("longcat", Family(
-    "LongCatFlashMTP", "meituan-longcat/LongCat-Flash-Chat index (model.mtp.* keys)",
+    "LongCatFlashMTP", "LongCat-Flash checkpoint keys vLLM's LongCatFlashMTP maps one by one",
     config=dict(architectures=["LongcatFlashForCausalLM"], model_type="longcat_flash",
                 vocab_size=512, hidden_size=64, num_layers=1, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=4, hidden_act="silu",
@@ -394,7 +396,7 @@ family("glm_ocr", Family(
 
 # openPangu-Ultra-MoE: DeepSeek-V3's MTP layout with sandwich norms. Its config is read by
 # the configuration file the checkpoint ships (model_type pangu_ultra_moe), as here.
-# Names: FreedomIntelligence/openPangu-Ultra-MoE-718B's index (layer 61), shrunk.
+# Names: DeepSeek-V3's plus the sandwich norms vLLM's OpenPangu builds (no index found).
 _PANGU_CONFIG = """from transformers import PretrainedConfig
 
 
@@ -407,7 +409,7 @@ class PanguUltraMoEConfig(PretrainedConfig):
 _PANGU_LAYER = {**NORMS, "pre_mlp_layernorm.weight": "H", "post_mlp_layernorm.weight": "H",
                 **MLA}
 family("openpangu", Family(
-    "OpenPanguMTP", "FreedomIntelligence/openPangu-Ultra-MoE-718B config.json + index",
+    "OpenPanguMTP", "DeepSeek-V3 layout + vLLM's OpenPangu sandwich norms (no index)",
     config=dict(MLA_CONFIG, architectures=["PanguUltraMoEForCausalLM"],
                 model_type="pangu_ultra_moe", num_hidden_layers=2,
                 num_nextn_predict_layers=1, sandwich_norm=True,
@@ -453,8 +455,8 @@ family("hy_v3", Family(
 ))
 
 # Ling-2.5 (BailingMoeV2_5): Bailing's naming (model.word_embeddings, attention.* with
-# attention.dense), MLA and MoE in the MTP layer N. Names: inclusionAI's Ling-2.5 index
-# as vLLM's loader normalises it (attention.dense -> o_proj, gate.e_score_correction_bias).
+# attention.dense), MLA and MoE in the MTP layer N. Names: those vLLM's loader normalises
+# (attention.dense -> o_proj, gate.e_score_correction_bias); no public index was found.
 _BAILING_MLA = {k.replace("self_attn.", "attention.").replace("o_proj", "dense"): v
                 for k, v in MLA.items()}
 _BAILING_MOE = {k.replace("shared_experts", "shared_experts"): v for k, v in MOE.items()}
@@ -475,7 +477,7 @@ _BAILING_TOP = {"model.word_embeddings.weight": "V,H", "model.norm.weight": "H",
 _BAILING_MTP = {"enorm.weight": "H", "hnorm.weight": "H", "eh_proj.weight": "H,2*H",
                 "final_layernorm.weight": "H", **NORMS, **_BAILING_MLA, **_BAILING_MOE}
 family("bailing_v25", Family(
-    "BailingMoeV25MTPModel", "inclusionAI Ling-2.5 (BailingMoeV2_5) index names",
+    "BailingMoeV25MTPModel", "names vLLM's BailingMoeV25MTPModel normalises (no index)",
     config=dict(_BAILING_CONFIG, architectures=["BailingMoeV2_5ForCausalLM"],
                 model_type="bailing_hybrid", layer_group_size=2, linear_head_dim=16,
                 linear_num_heads=4, linear_conv_kernel_dim=4, short_conv_kernel_size=4),
@@ -505,12 +507,12 @@ family("bailing_v3", Family(
 ))
 
 # EXAONE 4.5 (vision-language): the K-EXAONE mtp.* head next to model.language_model.*
-# text weights. Names: LGAI-EXAONE's EXAONE-4.5 index layout as vLLM's Exaone4_5_MTP
-# reads it (mtp.* plus model.language_model.embed_tokens), shrunk.
+# text weights. Names: those vLLM's Exaone4_5_MTP reads (mtp.* plus
+# model.language_model.embed_tokens); no public index was found.
 _EXAONE4_LAYER = {**GQA, **QK_NORM, **DENSE, "post_attention_layernorm.weight": "H",
                   "post_feedforward_layernorm.weight": "H"}
 family("exaone4_5", Family(
-    "Exaone4_5_MTP", "LGAI-EXAONE EXAONE-4.5 layout (mtp.*, model.language_model.*)",
+    "Exaone4_5_MTP", "vLLM's Exaone4_5_MTP loader (mtp.*, model.language_model.*; no index found)",
     config=dict(
         architectures=["Exaone4_5_ForConditionalGeneration"], model_type="exaone4_5",
         vocab_size=512, num_nextn_predict_layers=1, tie_word_embeddings=False,
@@ -836,10 +838,13 @@ family("qwen4_exp", Family(
 
 # Step-3.5-Flash: GQA with a head-wise gate and q/k norms, MoE with stacked experts
 # (moe.gate_proj/up_proj/down_proj hold all experts), a share_expert, MTP layers N.. with
-# enorm/hnorm/eh_proj/shared_head (its head named output). Names: stepfun-ai/
-# Step-3.5-Flash's index as vLLM's Step3p5MTP maps it, shrunk.
+# enorm/hnorm/eh_proj/shared_head (its head named output). Names: those vLLM's Step3p5MTP
+# maps (no public index was found); its MTP layers dense, as vLLM can load them only so.
+# transformers' Step3p7TextConfig (which vLLM registers for step3p5) is per-layer and
+# covers only num_hidden_layers, so vLLM cannot build the MTP layer from it: the proof
+# builds the class from the plain config the checkpoint's own code would give.
 family("step3p5", Family(
-    "Step3p5MTP", "stepfun-ai/Step-3.5-Flash index names (as vLLM maps them)",
+    "Step3p5MTP", "vLLM's Step3p5MTP loader (no public Step-3.5 index found)",
     config=dict(architectures=["Step3p5ForCausalLM"], model_type="step3p5",
                 vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_attention_groups=2, num_key_value_heads=2,
