@@ -24,6 +24,17 @@ from mtp_layouts import FAMILIES, STANDINS, Family, layout
 pytestmark = pytest.mark.vllm
 
 
+@pytest.fixture(scope="module", autouse=True)
+def inspection_in_process(vllm_runtime: Any) -> Any:
+    """vLLM inspects each new architecture in a subprocess that imports vLLM afresh (tens
+    of seconds each, two per family); the CPU has no CUDA to keep out of this process."""
+    import vllm.model_executor.models.registry as registry
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+        yield
+
+
 class Consumed(TorchFunctionMode):
     """Names of yielded checkpoint tensors that any torch function touched."""
 
@@ -227,17 +238,6 @@ def test_a_subclass_with_its_own_load_weights_keeps_every_shard(vllm_runtime: An
 # --- every family: the rule equals what the class's own load_weights consumes -------------
 
 
-@pytest.fixture(scope="module")
-def inspection_in_process(vllm_runtime: Any) -> Any:
-    """vLLM inspects each new architecture in a subprocess that imports vLLM afresh (tens
-    of seconds each, two per family); the CPU has no CUDA to keep out of this process."""
-    import vllm.model_executor.models.registry as registry
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry, "_run_in_subprocess", lambda fn: fn())
-        yield
-
-
 def family_checkpoint(root: Path, name: str, f: Family) -> Path:
     out = root / f"family-{name}"
     if not (out / "config.json").exists():
@@ -350,7 +350,7 @@ def load_directly(model: Path, f: Family, host: Path, consumed: Consumed) -> tup
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_each_rule_is_exactly_what_its_load_weights_consumes(
     name: str, ckpt_root: Path, deepseek: Path, consumed: Consumed,
-    inspection_in_process: Any, monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from hybrid_draft.adapter import rules
 

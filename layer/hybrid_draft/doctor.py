@@ -85,7 +85,7 @@ def check_rules() -> Check:
     try:
         from hybrid_draft.adapter import inspect
 
-        return True, f"rules: {inspect.rules_summary(inspect.draft_classes())}"
+        return True, f"rules: {inspect.rules_summary(inspect.draft_classes(mtp_only=True))}"
     except Exception as exc:  # the registry's shape changed: report it, never crash
         return False, f"rules: cannot list vLLM's draft classes: {exc!r}"
 

@@ -68,9 +68,10 @@ def is_mtp(architecture: str) -> bool:
     return "MTP" in architecture and architecture not in OWN_CHECKPOINT
 
 
-def draft_classes() -> list[dict[str, str]]:
-    """Every speculative draft architecture the installed vLLM registers, its class, its
-    kind, and whose checkpoint-weight rule prunes it (vLLM's, ours, none), with why.
+def draft_classes(mtp_only: bool = False) -> list[dict[str, str]]:
+    """Every speculative draft architecture the installed vLLM registers (or only the MTP
+    ones: half the imports), its class, its kind, and whose checkpoint-weight rule prunes
+    it (vLLM's, ours, none), with why.
 
     A class that fails to import here (a CUDA-only module on a CPU host) is listed with
     the error, not raised.
@@ -88,6 +89,8 @@ def draft_classes() -> list[dict[str, str]]:
         module = getattr(registered, "module_name", "?")
         name = getattr(registered, "class_name", "?")
         kind = "mtp" if is_mtp(arch) else "standalone"
+        if mtp_only and kind != "mtp":
+            continue
         row = {"architecture": arch, "class": name, "kind": kind, "rule": "none"}
         try:
             cls = getattr(importlib.import_module(module), name)
