@@ -1,4 +1,5 @@
-"""The ``hybrid-draft`` command: config, doctor, plan, rules, bench, make-checkpoint, smoke."""
+"""The ``hybrid-draft`` command: config, doctor, plan, rules, bench, make-checkpoint, smoke,
+report."""
 
 from __future__ import annotations
 
@@ -99,6 +100,20 @@ def _smoke(args: argparse.Namespace) -> int:
     return smoke.main(args)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from hybrid_draft import report
+
+    try:
+        with open(args.events_file, encoding="utf-8", errors="replace") as f:
+            summary = report.summarize(report.read(f))
+    except OSError as exc:
+        print(f"hybrid-draft report: cannot read {args.events_file}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2) if args.json else report.render(summary))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from hybrid_draft.bench import run
 
@@ -148,6 +163,12 @@ def parser() -> argparse.ArgumentParser:
 
     smoke.add_arguments(s)
     s.set_defaults(func=_smoke)
+
+    r = sub.add_parser("report", help="what each model load in an events file cost, and "
+                                      "what the draft saved against a second full pass")
+    r.add_argument("events_file", help="the layer's JSONL events file (HYBRID_DRAFT_EVENTS_FILE)")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=_report)
 
     b = sub.add_parser("bench", help="the draft-load benchmark (CPU; GPU strategies with CUDA)")
     from hybrid_draft.bench import run
