@@ -43,6 +43,7 @@ class Consumed(TorchFunctionMode):
         self.names: dict[int, str] = {}
         self.alive: list[torch.Tensor] = []  # keeps ids unique while tracking
         self.used: set[str] = set()
+        self.yielded: set[str] = set()  # every checkpoint tensor handed to load_weights
 
     def track(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         self.names[id(tensor)] = name
@@ -69,11 +70,8 @@ def consumed(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Consumed:
     mode = Consumed()
     real = default_loader.safetensors_weights_iterator
 
-    def tagged(*args: Any, **kwargs: Any) -> Any:
-        for name, tensor in real(*args, **kwargs):
-            yield name, mode.track(name, tensor)
-
-    monkeypatch.setattr(default_loader, "safetensors_weights_iterator", tagged)
+    monkeypatch.setattr(default_loader, "safetensors_weights_iterator",
+                        lambda *args, **kwargs: tagged(mode, real(*args, **kwargs)))
     with mode:
         yield mode
 
@@ -272,6 +270,12 @@ def stand_in_cuda(f: Family, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(owner, attr, factory(getattr(owner, attr)))
 
 
+def tagged(mode: Consumed, weights: Any) -> Any:
+    for name, tensor in weights:
+        mode.yielded.add(name)
+        yield name, mode.track(name, tensor)
+
+
 def triton_available() -> bool:
     """Whether vLLM runs Triton here (on the CPU it hands out a placeholder module)."""
     from vllm.triton_utils import HAS_TRITON
@@ -355,8 +359,7 @@ def load_directly(model: Path, f: Family, host: Path, consumed: Consumed) -> tup
     with set_current_vllm_config(vllm_config):
         ensure_model_parallel_initialized(1, 1)
         built = cls(vllm_config=vllm_config)
-        built.load_weights((n, consumed.track(n, t))
-                           for n, t in safetensors_weights_iterator(files, False, "lazy"))
+        built.load_weights(tagged(consumed, safetensors_weights_iterator(files, False, "lazy")))
     return built, target, draft
 
 
@@ -381,6 +384,7 @@ def test_each_rule_is_exactly_what_its_load_weights_consumes(
     assert rules.install(cls) == "hybrid-draft"
     names = {t.name for s in checkpoint.read_checkpoint(model) for t in s.tensors}
     kept = {n for n in names if not draft.is_unused_checkpoint_weight(n)}
+    assert consumed.yielded == names  # load_weights saw every tensor, pruned or not
     assert consumed.used == kept
     assert kept and kept != names, "the layout must hold tensors the draft leaves alone"
     # Without building the model, the rule answers the same from the configs vLLM has.
