@@ -1,4 +1,5 @@
-"""The ``hybrid-draft`` command: config, doctor, plan, bench, make-checkpoint, smoke, report."""
+"""The ``hybrid-draft`` command: config, doctor, plan, rules, bench, make-checkpoint, smoke,
+report."""
 
 from __future__ import annotations
 
@@ -78,6 +79,23 @@ def _plan_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rules(args: argparse.Namespace) -> int:
+    from hybrid_draft.adapter import inspect, patch
+
+    classes = inspect.draft_classes()
+    if args.json:
+        print(json.dumps({"vllm_version": patch.vllm_version(), "classes": classes},
+                         indent=2))
+        return 0
+    width = max(len(c["architecture"]) for c in classes)
+    cls_width = max(len(c["class"]) for c in classes)
+    for c in classes:
+        print(f"{c['architecture']:<{width}}  {c['class']:<{cls_width}}  {c['kind']:<10}  "
+              f"{c['rule']:<12}  {c['detail']}")
+    print(inspect.rules_summary(classes))
+    return 0
+
+
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -143,6 +161,11 @@ def parser() -> argparse.ArgumentParser:
                     help="let transformers run configuration code shipped with the checkpoint "
                          "(never run otherwise)")
     pl.set_defaults(func=_plan)
+
+    r = sub.add_parser("rules", help="every speculative draft class vLLM registers and "
+                                     "whose checkpoint-weight rule prunes it")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=_rules)
 
     from hybrid_draft import synth  # stdlib only: cheap enough for every command
 
