@@ -156,10 +156,10 @@ def engine_config(model: str | Path, *, load_format: str = "instanttensor",
     if config.get("kv_lora_rank"):  # MLA: the CPU's AMX backend needs vllm._C, absent here
         kwargs.setdefault("attention_backend", "CPU_MLA")
         spec.setdefault("attention_backend", "CPU_MLA")
+    kwargs.setdefault("dtype", "float32")
     return EngineArgs(
         model=str(model), load_format=load_format, speculative_config=spec,
-        skip_tokenizer_init=True, max_model_len=128, enforce_eager=True, dtype="float32",
-        **kwargs,
+        skip_tokenizer_init=True, max_model_len=128, enforce_eager=True, **kwargs,
     ).create_engine_config()
 
 

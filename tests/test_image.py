@@ -101,6 +101,8 @@ def test_layer_is_active_in_the_test_environment() -> None:
 
     assert [ln.split()[0] for ln in lines] == ["ok"] * len(doctor.CHECKS)
     assert any("get_model is wrapped" in ln for ln in lines)
+    assert any(ln.startswith("ok   rules: ") and "MTP draft classes prune" in ln
+               for ln in lines)
 
 
 def test_doctor_fails_on_a_bad_config(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """Pruning rules for MTP drafts vLLM ships without one: exactly what ``load_weights`` keeps.
 
-A spy on vLLM's lazy iterator tags every tensor it yields; a torch function mode records
-which of them the real ``load_weights`` actually uses (copies, views, slices). On a
-single-shard checkpoint (so pruning cannot hide anything) that set must equal the rule's.
+A spy on vLLM's safetensors iterator tags every tensor it yields; a torch function mode
+records which of them the real ``load_weights`` actually uses (copies, views, slices). On
+a single-shard checkpoint (so pruning cannot hide anything) that set must equal the rule's.
+The checkpoints are tiny ones in the tensor names of each family (``mtp_layouts``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,20 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import Events, Recorder, engine_config, load_target_and_draft
 from hybrid_draft import checkpoint, synth
+from mtp_layouts import FAMILIES, STANDINS, Family, layout
 
 pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inspection_in_process(vllm_runtime: Any) -> Any:
+    """vLLM inspects each new architecture in a subprocess that imports vLLM afresh (tens
+    of seconds each, two per family); the CPU has no CUDA to keep out of this process."""
+    import vllm.model_executor.models.registry as registry
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+        yield
 
 
 class Consumed(TorchFunctionMode):
@@ -30,6 +43,7 @@ class Consumed(TorchFunctionMode):
         self.names: dict[int, str] = {}
         self.alive: list[torch.Tensor] = []  # keeps ids unique while tracking
         self.used: set[str] = set()
+        self.yielded: set[str] = set()  # every checkpoint tensor handed to load_weights
 
     def track(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         self.names[id(tensor)] = name
@@ -56,11 +70,8 @@ def consumed(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Consumed:
     mode = Consumed()
     real = default_loader.safetensors_weights_iterator
 
-    def tagged(*args: Any, **kwargs: Any) -> Any:
-        for name, tensor in real(*args, **kwargs):
-            yield name, mode.track(name, tensor)
-
-    monkeypatch.setattr(default_loader, "safetensors_weights_iterator", tagged)
+    monkeypatch.setattr(default_loader, "safetensors_weights_iterator",
+                        lambda *args, **kwargs: tagged(mode, real(*args, **kwargs)))
     with mode:
         yield mode
 
@@ -195,10 +206,10 @@ def test_rules_are_installed_only_where_vllm_has_none(vllm_runtime: Any) -> None
     for cls in (DeepSeekMTP, Glm4MoeMTP):
         assert rules.install(cls) == "hybrid-draft"
         assert rules.install(cls) == "hybrid-draft"  # idempotent
-    from vllm.model_executor.models.mimo_mtp import MiMoMTP
+    from vllm.model_executor.models.gemma4_mtp import Gemma4MTP
 
-    assert rules.install(MiMoMTP) == "none"
-    assert rules.probe(MiMoMTP, object()) is None
+    assert rules.install(Gemma4MTP) == "none"  # its own checkpoint, loaded whole
+    assert rules.probe(Gemma4MTP, object()) is None
 
 
 def test_rule_shapes_for_several_mtp_layers(vllm_runtime: Any) -> None:
@@ -232,3 +243,233 @@ def test_a_subclass_with_its_own_load_weights_keeps_every_shard(vllm_runtime: An
     cfg = types.SimpleNamespace(num_hidden_layers=3, num_nextn_predict_layers=1)
     assert rules.probe(DeepSeekMTP, cfg)("model.layers.0.mlp.up_proj.weight")
     assert not rules.probe(Custom, cfg)("model.layers.0.mlp.up_proj.weight")
+    assert rules.rule_source(Custom) == "none" and rules.install(Custom) == "none"
+
+
+# --- every family: the rule equals what the class's own load_weights consumes -------------
+
+
+def family_checkpoint(root: Path, name: str, f: Family) -> Path:
+    out = root / f"family-{name}"
+    if not (out / "config.json").exists():
+        lay = layout(f)
+        synth.write_checkpoint(out, lay, [lay.tensors])
+        for file, text in f.files.items():
+            (out / file).write_text(text)
+    return out
+
+
+def stand_in_cuda(f: Family, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    for key in f.cuda_standins:
+        path, attr, factory = STANDINS[key]
+        module, _, cls = path.partition(":")
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        monkeypatch.setattr(owner, attr, factory(getattr(owner, attr)))
+
+
+def tagged(mode: Consumed, weights: Any) -> Any:
+    for name, tensor in weights:
+        mode.yielded.add(name)
+        yield name, mode.track(name, tensor)
+
+
+def triton_available() -> bool:
+    """Whether vLLM runs Triton here (on the CPU it hands out a placeholder module)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
+class _Loaded(Exception):
+    """Raised right after the draft's load_weights (and vLLM's own checks) returned."""
+
+
+def load_through_vllm(model: Path, f: Family, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """The real get_model, as the V1 EagleProposer calls it in serving, stopped right after
+    DefaultModelLoader.load_weights: CPU post-processing (MoE prepacking) needs vllm._C."""
+    import vllm.model_executor.model_loader.default_loader as default_loader
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    built: list[Any] = []
+    real = default_loader.DefaultModelLoader.load_weights
+
+    def load_weights(self: Any, draft: Any, model_config: Any) -> None:
+        real(self, draft, model_config)
+        built.append(draft)
+        raise _Loaded
+
+    monkeypatch.setattr(default_loader.DefaultModelLoader, "load_weights", load_weights)
+    config = engine_config(model, load_format="safetensors", speculative_config={
+        "method": "mtp", "num_speculative_tokens": 1, **f.speculative}, **f.engine)
+    with set_current_vllm_config(config):
+        ensure_model_parallel_initialized(1, 1)
+        with pytest.raises(_Loaded):
+            EagleProposer(config, torch.device("cpu"), runner=None)._get_model()
+    return built[0], config.model_config.hf_config, (
+        config.speculative_config.draft_model_config.hf_config)
+
+
+def load_directly(model: Path, f: Family, host: Path, consumed: Consumed) -> tuple:
+    """The class built from the family's config inside a host engine config (the target's
+    config cannot be built here), its real load_weights fed the checkpoint's tensors."""
+    import copy
+    import json
+
+    from transformers import PretrainedConfig
+    from vllm.config import set_current_vllm_config
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.distributed import ensure_model_parallel_initialized
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY, get_hf_text_config
+
+    raw = json.loads((model / "config.json").read_text())
+
+    def hf_config() -> Any:
+        if f.direct_config == "registered":
+            return _CONFIG_REGISTRY[raw["model_type"]](**raw)
+        subs = {k: PretrainedConfig(**v) for k, v in raw.items()
+                if isinstance(v, dict) and (k.endswith("config") or k == "decoder")}
+        return PretrainedConfig(**{**raw, **subs})
+
+    def text(config: Any) -> Any:
+        try:
+            return get_hf_text_config(config)
+        except ValueError:  # no attention heads at the top (Parse 3.5's decoder config)
+            return config
+
+    target, draft = hf_config(), SpeculativeConfig.hf_config_override(hf_config())
+    base = engine_config(host)
+    vllm_config, model_config = copy.copy(base), copy.copy(base.model_config)
+    spec = copy.copy(base.speculative_config)
+    draft_config = copy.copy(spec.draft_model_config)
+    for holder, config in ((model_config, target), (draft_config, draft)):
+        object.__setattr__(holder, "hf_config", config)
+        object.__setattr__(holder, "hf_text_config", text(config))
+    object.__setattr__(spec, "draft_model_config", draft_config)
+    object.__setattr__(vllm_config, "model_config", model_config)
+    object.__setattr__(vllm_config, "speculative_config", spec)
+    cls = ModelRegistry._try_load_model_cls(draft.architectures[0])
+    files = sorted(str(p) for p in model.glob("*.safetensors"))
+    with set_current_vllm_config(vllm_config):
+        ensure_model_parallel_initialized(1, 1)
+        built = cls(vllm_config=vllm_config)
+        built.load_weights(tagged(consumed, safetensors_weights_iterator(files, False, "lazy")))
+    return built, target, draft
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_each_rule_is_exactly_what_its_load_weights_consumes(
+    name: str, ckpt_root: Path, deepseek: Path, consumed: Consumed,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hybrid_draft.adapter import rules
+
+    f = FAMILIES[name]
+    if f.needs_triton and not triton_available():
+        pytest.skip(f"{f.draft} imports Triton kernels while it is built; no Triton here")
+    model = family_checkpoint(ckpt_root, name, f)
+    stand_in_cuda(f, monkeypatch)
+    if f.route == "direct":
+        draft, target_config, draft_config = load_directly(model, f, deepseek, consumed)
+    else:
+        draft, target_config, draft_config = load_through_vllm(model, f, monkeypatch)
+    cls = type(draft)
+    assert cls.__name__ == f.draft
+    assert rules.install(cls) == "hybrid-draft"
+    names = {t.name for s in checkpoint.read_checkpoint(model) for t in s.tensors}
+    kept = {n for n in names if not draft.is_unused_checkpoint_weight(n)}
+    assert consumed.yielded == names  # load_weights saw every tensor, pruned or not
+    assert consumed.used == kept
+    assert kept and kept != names, "the layout must hold tensors the draft leaves alone"
+    # Without building the model, the rule answers the same from the configs vLLM has.
+    probe = rules.probe_for(cls, target_config, draft_config)
+    assert probe is not None and {n for n in names if not probe(n)} == kept
+
+
+def test_a_subclass_sharing_load_weights_shares_the_rule(vllm_runtime: Any) -> None:
+    from vllm.model_executor.models.mimo_v2_mtp import MiMoV2MTP, MiMoV2OmniMTP
+
+    from hybrid_draft.adapter import rules
+
+    assert MiMoV2OmniMTP.load_weights is MiMoV2MTP.load_weights
+    assert rules.rule_for(MiMoV2OmniMTP) is rules.rule_for(MiMoV2MTP) is not None
+    assert rules.install(MiMoV2OmniMTP) == "hybrid-draft"
+    cfg = types.SimpleNamespace(num_hidden_layers=48, num_nextn_predict_layers=3)
+    probe = rules.probe(MiMoV2OmniMTP, cfg)
+    assert probe is not None and not probe("model.mtp.layers.0.eh_proj.weight")
+    assert probe("model.mtp.layers.1.eh_proj.weight")  # vLLM builds the first one only
+
+
+def test_rules_never_raise_and_answer_a_bool(vllm_runtime: Any) -> None:
+    from hybrid_draft.adapter import rules
+
+    configs = [None, object(), types.SimpleNamespace(num_hidden_layers="x"),
+               types.SimpleNamespace(num_hidden_layers=61, num_nextn_predict_layers=None)]
+    names = ["", ".", "model.layers..x", "model.layers.99999999999999999999999.a",
+             "model.layers.-1.eh_proj.weight", "lm_head.weight", "x" * 10_000]
+    for rule in rules.RULES.values():
+        for config in configs:
+            for name in names:
+                assert isinstance(rule(config, name), bool)
+
+
+def test_every_shipped_rule_has_a_proof_on_real_vllm(vllm_runtime: Any) -> None:
+    """Each rule is proven by a family above (or, DeepSeek/GLM-4.5, by its own test)."""
+    from hybrid_draft.adapter import rules
+
+    proven = {f.draft for f in FAMILIES.values()} | {"DeepSeekMTP", "Glm4MoeMTP"}
+    assert {cls for _, cls in rules.RULES} == proven
+
+
+def test_rules_lists_every_draft_class_vllm_registers(
+    vllm_runtime: Any, capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
+
+    from hybrid_draft import cli
+    from hybrid_draft.adapter import rules
+
+    assert cli.main(["rules", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    from hybrid_draft.adapter import patch
+
+    assert out["vllm_version"] == patch.vllm_version()
+    rows = out["classes"]
+    assert [r["architecture"] for r in rows] == list(_SPECULATIVE_DECODING_MODELS)
+    for r in rows:
+        assert set(r) == {"architecture", "class", "kind", "rule", "detail"}
+        assert r["kind"] in ("mtp", "standalone") and r["rule"] in ("vllm", "hybrid-draft",
+                                                                       "none")
+    mtp = [r for r in rows if r["kind"] == "mtp"]
+    assert any(r["rule"] == "vllm" for r in mtp) and any(r["rule"] == "hybrid-draft"
+                                                          for r in mtp)
+    # An MTP draft without a rule is one this platform cannot load at all.
+    for r in mtp:
+        if r["rule"] == "none":
+            assert ("does not import here" in r["detail"]
+                    or "no load_weights on this platform" in r["detail"]), r
+    # Every rule we ship applies to a class vLLM registers (none is stale).
+    listed = {r["class"] for r in rows if r["rule"] == "hybrid-draft"}
+    assert {cls for _, cls in rules.RULES} <= listed
+
+
+def test_doctor_says_how_many_mtp_classes_prune_their_checkpoint(vllm_runtime: Any) -> None:
+    import re
+
+    from hybrid_draft import doctor
+
+    ok, line = doctor.check_rules()
+    assert ok, line
+    m = re.match(r"rules: (\d+) of (\d+) MTP draft classes prune their checkpoint "
+                 r"\((\d+) vLLM, (\d+) hybrid-draft\)", line)
+    assert m, line
+    pruned, total, by_vllm, ours = map(int, m.groups())
+    assert pruned == by_vllm + ours <= total and ours >= len(FAMILIES)

@@ -73,25 +73,45 @@ def read_header(path: str | os.PathLike[str]) -> tuple[int, dict]:
 
 def read_shard(path: str | os.PathLike[str]) -> Shard:
     size, header = read_header(path)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object")
     base = 8 + size
     tensors = []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        begin, end = meta["data_offsets"]
-        tensors.append(TensorInfo(name, meta["dtype"], tuple(meta["shape"]), base + begin,
-                                  base + end))
+        try:
+            begin, end = meta["data_offsets"]
+            tensors.append(TensorInfo(name, meta["dtype"], tuple(meta["shape"]),
+                                      base + int(begin), base + int(end)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: tensor {name!r} has no valid dtype, shape and "
+                                  f"data_offsets in the header ({exc!r})") from None
     tensors.sort(key=lambda t: t.start)
+    end = max((t.end for t in tensors), default=base)
+    actual = os.stat(path).st_size
+    if end > actual:
+        raise CheckpointError(f"{path}: the header places tensors up to byte {end:,} but the "
+                              f"file has {actual:,} bytes (truncated?)")
     return Shard(Path(path), tuple(tensors))
 
 
 def shard_files(model_dir: str | os.PathLike[str]) -> list[Path]:
     """The shards a loader would read: those the index names, else every ``*.safetensors``."""
     root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a directory")
     index = root / INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        names = sorted(set(weight_map.values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+            if not all(isinstance(n, str) for n in names):
+                raise TypeError("shard names must be strings")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index (a JSON object whose "
+                                  f"weight_map maps tensor names to shard files): "
+                                  f"{exc!r}") from None
         missing = [n for n in names if not (root / n).is_file()]
         if missing:
             raise CheckpointError(f"{index}: names shards that do not exist: {missing[:3]}")

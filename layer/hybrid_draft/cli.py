@@ -1,4 +1,5 @@
-"""The ``hybrid-draft`` command: config, doctor, plan, bench, make-checkpoint, smoke, report."""
+"""The ``hybrid-draft`` command: config, doctor, plan, rules, bench, make-checkpoint, smoke,
+report."""
 
 from __future__ import annotations
 
@@ -35,23 +36,63 @@ def _doctor(_args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import gc
 
-    from hybrid_draft import checkpoint, plan
-
     # 92,000 header entries in a process holding vLLM: the cyclic GC would rescan the heap
-    # many times over (it doubles the plan's time); this short-lived command needs none.
+    # many times over (it doubles the plan's time); planning needs none.
+    enabled = gc.isenabled()
     gc.disable()
+    try:
+        return _plan_checkpoint(args)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_checkpoint(args: argparse.Namespace) -> int:
+    from hybrid_draft import checkpoint, plan
 
     try:
         shards = checkpoint.read_checkpoint(args.model_dir)
     except (OSError, checkpoint.CheckpointError) as exc:
         print(f"hybrid-draft plan: {exc}", file=sys.stderr)
         return 2
-    from hybrid_draft.adapter import inspect
+    from hybrid_draft.adapter import checks, inspect
 
-    draft = inspect.mtp_draft(args.model_dir)
-    reads = plan.modes(shards, draft.is_unused, draft.vllm_rule)
-    result = plan.report(args.model_dir, draft.draft_class, draft.rule_source, shards, reads)
+    try:
+        draft = inspect.mtp_draft(args.model_dir, trust_remote_code=args.trust_remote_code)
+    except inspect.PlanError as exc:
+        print(f"hybrid-draft plan: {exc}", file=sys.stderr)
+        return 2
+    try:  # a rule reads the config: one that lacks what it needs fails here
+        is_unused = plan.evaluated(shards, draft.is_unused)
+        vllm_rule = (is_unused if draft.vllm_rule is draft.is_unused
+                     else plan.evaluated(shards, draft.vllm_rule))
+    except Exception as exc:
+        print(f"hybrid-draft plan: {args.model_dir}: the {draft.draft_class} weight rule "
+              f"fails on this config: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    reads = plan.modes(shards, is_unused, vllm_rule, checks.selective_host_blocker(),
+                       draft_class=draft.draft_class or "draft")
+    found = plan.warnings(shards, draft.draft_class, is_unused, draft.mtp_layers, draft.notes)
+    result = plan.report(args.model_dir, draft.draft_class, draft.rule_source, shards, reads,
+                         found)
     print(json.dumps(result, indent=2) if args.json else plan.table(result))
+    return 0
+
+
+def _rules(args: argparse.Namespace) -> int:
+    from hybrid_draft.adapter import inspect, patch
+
+    classes = inspect.draft_classes()
+    if args.json:
+        print(json.dumps({"vllm_version": patch.vllm_version(), "classes": classes},
+                         indent=2))
+        return 0
+    width = max(len(c["architecture"]) for c in classes)
+    cls_width = max(len(c["class"]) for c in classes)
+    for c in classes:
+        print(f"{c['architecture']:<{width}}  {c['class']:<{cls_width}}  {c['kind']:<10}  "
+              f"{c['rule']:<12}  {c['detail']}")
+    print(inspect.rules_summary(classes))
     return 0
 
 
@@ -122,7 +163,15 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="what a same-checkpoint MTP draft reads under each mode")
     pl.add_argument("model_dir")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--trust-remote-code", action="store_true",
+                    help="let transformers run configuration code shipped with the checkpoint "
+                         "(never run otherwise)")
     pl.set_defaults(func=_plan)
+
+    r = sub.add_parser("rules", help="every speculative draft class vLLM registers and "
+                                     "whose checkpoint-weight rule prunes it")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=_rules)
 
     from hybrid_draft import synth  # stdlib only: cheap enough for every command
 

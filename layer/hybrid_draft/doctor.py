@@ -95,8 +95,17 @@ def check_config() -> Check:
                   f"level={current.level.value}, file {where}")
 
 
+def check_rules() -> Check:
+    try:
+        from hybrid_draft.adapter import inspect
+
+        return True, f"rules: {inspect.rules_summary(inspect.draft_classes(mtp_only=True))}"
+    except Exception as exc:  # the registry's shape changed: report it, never crash
+        return False, f"rules: cannot list vLLM's draft classes: {exc!r}"
+
+
 CHECKS: list[Callable[[], Check]] = [check_installed, check_config, check_vllm,
-                                     check_instanttensor, check_selective]
+                                     check_instanttensor, check_selective, check_rules]
 
 
 def isolated(check: Callable[[], Check]) -> Check:

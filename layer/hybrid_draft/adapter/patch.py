@@ -176,6 +176,9 @@ def decide(call: configs.Call, outcome: Outcome) -> None:
     extra: dict[str, Any] = {}
     if request.role == "draft":
         extra["pruning_rule"] = _install_rule(call)
+        from hybrid_draft.adapter import checks
+
+        extra["warnings"] = checks.draft_warnings(call)  # never raises
     if decision.reason == "selective":
         from hybrid_draft.adapter import selective
 

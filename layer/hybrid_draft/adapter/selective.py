@@ -66,7 +66,10 @@ def preflight(call: configs.Call) -> tuple[Blocker | None, checkpoint.Selection 
     """
     cls = draft_class(call.model_config)
     rules.install(cls)
-    is_unused = rules.probe(cls, call.model_config.hf_config)
+    # vLLM builds an MTP draft with the target's model config: probe with the config the
+    # built class would hold, not only the draft's rewritten one.
+    is_unused = rules.probe_for(cls, call.vllm_config.model_config.hf_config,
+                                call.model_config.hf_config)
     if is_unused is None:
         return ("no_rule", f"{cls.__name__} has no checkpoint-weight rule to plan its "
                            "tensors with"), None
