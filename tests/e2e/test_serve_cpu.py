@@ -188,18 +188,20 @@ def test_doctor_next_to_a_cuda_torchvision_fails_line_by_line_without_a_tracebac
     (wheel,) = WHEELHOUSE.glob("torchvision-*.whl")
     overlay = tmp_path / "overlay"
     run([cpu_env.python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-              "--no-compile", "--target", overlay, wheel], what="unpacking torchvision")
+         "--no-compile", "--target", overlay, wheel], what="unpacking torchvision")
     with Timer("doctor next to a CUDA torchvision"):
         out = cpu_env.cli("doctor", env=cpu_env.env(PYTHONPATH=str(overlay)), check=False)
     assert out.returncode == 1
     assert "Traceback" not in out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == len(doctor.CHECKS), out.stdout  # one line per check, each ran
-    assert lines[2].startswith("FAIL vllm: cannot import vllm.model_executor.model_loader: "
-                               "RuntimeError(")
-    assert "torchvision::nms does not exist" in lines[2]
-    assert lines[3].startswith("ok   instanttensor: 0.2.2 imports")
-    assert lines[4].startswith("FAIL selective: the check raised RuntimeError: ")
+    status = {ln[5:].split(":")[0]: ln[:4].strip() for ln in lines}
+    vllm = next(ln for ln in lines if ln[5:].startswith("vllm:"))
+    assert vllm.startswith("FAIL vllm: cannot import vllm.model_executor.model_loader: "
+                           "RuntimeError(") and "torchvision::nms does not exist" in vllm
+    # Those that need no model loader still pass: the failure affects no other check.
+    assert status["layer"] == status["config"] == status["instanttensor"] == "ok"
+    assert status["selective"] == "ok"
 
 
 def test_ray_is_not_offered_by_vllms_cpu_platform(cpu_env: CpuEnv) -> None:
