@@ -134,6 +134,7 @@ class Container:
 
     image: str
     name: str
+    hosts: dict[str, str] = field(default_factory=dict)  # name -> address, in /etc/hosts
     id: str = ""
     mounted: Path | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -141,7 +142,8 @@ class Container:
     def __post_init__(self) -> None:
         self.name = PREFIX + self.name
         buildah("rm", self.name, check=False)
-        self.id = buildah("from", "--pull-never", "--name", self.name, "-q",
+        add_hosts = [f"--add-host={name}:{addr}" for name, addr in self.hosts.items()]
+        self.id = buildah("from", "--pull-never", "--name", self.name, "-q", *add_hosts,
                           self.image).stdout.strip()
 
     def mount(self) -> Path:

@@ -10,9 +10,9 @@ order. The only additions are the CPU run's, from cpu-run.yaml (one place), and 
 stand-in for InstantTensor's GPU read, bind-mounted for the run only.
 
 All services share one private network namespace (``buildah run`` with chroot isolation
-joins the caller's), with ``/etc/hosts`` naming every service, as Compose's network does:
-the server listens on compose's port 8000 and the smoke service reaches it as ``server``,
-and nothing clashes with a server on the host.
+joins the caller's), and each container's ``/etc/hosts`` names every service (buildah's
+``--add-host``), as Compose's network does: the server listens on compose's port 8000, the
+smoke service reaches it as ``server``, and nothing clashes with a server on the host.
 """
 
 from __future__ import annotations
@@ -146,16 +146,14 @@ class FlowResult:
 
 
 @contextmanager
-def network_namespace(name: str, services: list[str], hosts_dir: Path) -> Iterator[Path]:
-    """A private network namespace with loopback up, and an /etc/hosts naming ``services``."""
+def network_namespace(name: str) -> Iterator[str]:
+    """A private network namespace (``ip netns``) with its loopback up."""
     subprocess.run(["ip", "netns", "delete", name], capture_output=True)
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
                        check=True)
-        hosts = hosts_dir / "hosts"
-        hosts.write_text(f"127.0.0.1 localhost {' '.join(services)}\n::1 localhost\n")
-        yield hosts
+        yield name
     finally:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
@@ -216,7 +214,7 @@ def resolve(variables: dict[str, str], named: dict[str, Path], standin: dict[str
     return order
 
 
-def wait_healthy(s: Service, netns: str, hosts: Path) -> float:
+def wait_healthy(s: Service, netns: str) -> float:
     """Run the service's health check (in its container, with its mounts) until it passes."""
     assert s.container is not None and s.health is not None
     start = time.monotonic()
@@ -225,8 +223,7 @@ def wait_healthy(s: Service, netns: str, hosts: Path) -> float:
             raise RuntimeError(f"service {s.name} exited ({s.proc.returncode}) before it was "
                                f"healthy:\n{tail(s.log)}")
         try:
-            out = s.container.run(s.health, env=s.env, netns=netns,
-                                  volumes=[*s.volumes, f"{hosts}:/etc/hosts:ro"],
+            out = s.container.run(s.health, env=s.env, netns=netns, volumes=s.volumes,
                                   timeout=s.health_timeout)
             if out.returncode == 0:
                 return time.monotonic() - start
@@ -258,26 +255,26 @@ def up(variables: dict[str, str], *, work: Path, named: dict[str, Path],
     result = FlowResult(exit_service.name, -1, {s.name: work / f"{s.name}.log"
                                                for s in services}, named)
     t0 = time.monotonic()
-    with network_namespace(netns, [s.name for s in services], work) as hosts:
+    hosts = {s.name: "127.0.0.1" for s in services}
+    with network_namespace(netns):
         try:
             for s in services:
                 for condition in s.depends_on.values():
                     if condition not in ("service_started", "service_healthy"):
                         raise ValueError(f"depends_on condition {condition} is not handled")
                 s.log = result.logs[s.name]
-                s.container = buildah.Container(s.image, f"{s.name}-{os.getpid()}")
-                volumes = [*s.volumes, f"{hosts}:/etc/hosts:ro"]
+                s.container = buildah.Container(s.image, f"{s.name}-{os.getpid()}", hosts)
                 if s is exit_service:
-                    out = s.container.run(s.argv, env=s.env, volumes=volumes, netns=netns,
+                    out = s.container.run(s.argv, env=s.env, volumes=s.volumes, netns=netns,
                                           timeout=exit_timeout)
                     s.log.write_text(out.stdout + out.stderr)
                     result.returncode = out.returncode
                 else:
-                    s.proc = s.container.start(s.argv, env=s.env, volumes=volumes,
+                    s.proc = s.container.start(s.argv, env=s.env, volumes=s.volumes,
                                                netns=netns, log=s.log)
                     if s.health is not None and any(
                             t.depends_on.get(s.name) == "service_healthy" for t in services):
-                        result.seconds[f"{s.name}_healthy_s"] = wait_healthy(s, netns, hosts)
+                        result.seconds[f"{s.name}_healthy_s"] = wait_healthy(s, netns)
                 result.seconds[f"{s.name}_done_s"] = time.monotonic() - t0
         finally:
             for s in reversed(services):
