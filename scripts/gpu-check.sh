@@ -4,7 +4,7 @@
 # draft-load benchmark on a generated multi-GB checkpoint, cold, with the strategies a GPU
 # adds: InstantTensor full pass (it_full), selective (InstantTensor with tensor_filter,
 # it_selective) and lazy safetensors followed by a copy to the GPU (lazy_to_gpu), beside the
-# CPU-side reads (full_pass, selective, limit). It prints seconds, GB/s and bytes read for
+# CPU-side reads (full_pass, limit; the product strategies need vLLM). It prints seconds, GB/s and bytes read for
 # each and leaves bench.json and bench.png under $OUT/bench.
 #
 # Prepare here (InstantTensor is not on that machine; the wheel must match its Python 3.12):
@@ -34,5 +34,5 @@ PY
 
 python3 -m hybrid_draft.cli bench --size "$SIZE" --runs "$RUNS" --out "$OUT/bench" \
     --checkpoint /tmp/hybrid-draft-bench-ckpt \
-    --strategies full_pass,selective,limit,it_full,it_selective,lazy_to_gpu \
+    --strategies full_pass,limit,it_full,it_selective,lazy_to_gpu \
     --startup-runs 0 --hook-runs 0

@@ -133,8 +133,13 @@ def vllm_runtime() -> Any:
     """
     import vllm.model_executor.model_loader as loader
     from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config.logging import LoggingConfig
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.logger import configure_logging_if_needed
 
+    # vLLM's logging, applied once as create_engine_config applies it: applying it later
+    # (dictConfig) would drop the handlers tests attach to vLLM's child loggers.
+    configure_logging_if_needed(LoggingConfig())
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(1, 0, f"file://{_SESSION_TMP / 'dist-init'}", 0, "gloo")
         ensure_model_parallel_initialized(1, 1)
@@ -262,6 +267,54 @@ def lazy_spy(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
 
     monkeypatch.setattr(default_loader, "safetensors_weights_iterator", spy)
     return recorder
+
+
+class _SafeOpenSpy:
+    """A safetensors handle that records every tensor read through it, then reads it."""
+
+    def __init__(self, handle: Any, entry: dict[str, Any]) -> None:
+        self._handle, self._entry = handle, entry
+
+    def __enter__(self) -> Any:
+        self._handle.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._handle.__exit__(*exc)
+
+    def get_tensor(self, name: str) -> Any:
+        self._entry["tensors"].append(name)
+        return self._handle.get_tensor(name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+@pytest.fixture
+def filtered_reads(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Every tensor hybrid-draft's filtered lazy reader takes, per shard it opens (a spy on
+    ``safetensors.safe_open``, which that reader imports when it runs; vLLM's own iterators
+    hold their own reference and are recorded by ``lazy_spy``)."""
+    import safetensors
+
+    real = safetensors.safe_open
+    recorder = Recorder()
+
+    def spy(filename: Any, *args: Any, **kwargs: Any) -> _SafeOpenSpy:
+        entry = {"file": Path(filename).name, "tensors": []}
+        recorder.calls.append(entry)
+        return _SafeOpenSpy(real(filename, *args, **kwargs), entry)
+
+    monkeypatch.setattr(safetensors, "safe_open", spy)
+    return recorder
+
+
+def rule_keeps(model_dir: Path, draft: Any) -> set[str]:
+    """The checkpoint tensors a loaded draft's checkpoint-weight rule keeps."""
+    from hybrid_draft import checkpoint
+
+    names = {t.name for s in checkpoint.read_checkpoint(model_dir) for t in s.tensors}
+    return {n for n in names if not draft.is_unused_checkpoint_weight(n)}
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, Any]:

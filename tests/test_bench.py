@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "selective", "limit")
+STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "auto", "selective", "limit")
 
 
 def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
@@ -39,6 +39,12 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
     full, limit = result["strategies"]["full_pass"], result["strategies"]["limit"]
     assert full["bytes_read"] >= ck["bytes"]  # cold: every byte came from storage
     assert ck["draft_bytes"] <= limit["bytes_read"] < full["bytes_read"]
+    # auto is the product's own loader; selective, without CUDA, the path it falls back to.
+    auto, selective = result["strategies"]["auto"], result["strategies"]["selective"]
+    assert auto["ran"] == "safetensors_filtered"
+    assert selective["ran"] == "auto (CUDA is not available (vLLM platform: cpu))"
+    assert ck["draft_bytes"] <= auto["bytes_read"] < full["bytes_read"]
+    assert "(selective ran auto (CUDA is not available" in proc.stdout
 
     startup = result["startup"]
     assert startup["python_c_pass"]["runs"] == 3

@@ -17,6 +17,7 @@ from conftest import (
     checkpoint_tensors,
     engine_config,
     load_target_and_draft,
+    rule_keeps,
 )
 
 pytestmark = pytest.mark.vllm
@@ -59,7 +60,7 @@ def vllm_log_lines(vllm_runtime: Any) -> Any:
 
 def test_instanttensor_target_lazy_draft_with_checkpoint_values(
     qwen35: Path, events: Events, instanttensor_standin: Recorder, lazy_spy: Recorder,
-    vllm_log_lines: list[str],
+    filtered_reads: Recorder, vllm_log_lines: list[str],
 ) -> None:
     config = engine_config(qwen35)
     target_load_config = config.load_config
@@ -69,8 +70,12 @@ def test_instanttensor_target_lazy_draft_with_checkpoint_values(
 
     # The target went through InstantTensor, every shard, exactly once.
     assert instanttensor_standin.files() == [sorted(p.name for p in qwen35.glob("*.safetensors"))]
-    # The draft went through vLLM's lazy (memory-mapped) safetensors iterator.
-    assert [c["strategy"] for c in lazy_spy.calls] == ["lazy"]
+    # The draft was memory-mapped (lazy safetensors), and only the tensors its class's
+    # checkpoint-weight rule keeps were read, each once, from the shards that hold them.
+    assert not lazy_spy.calls
+    read = [name for c in filtered_reads.calls for name in c["tensors"]]
+    assert sorted(read) == sorted(rule_keeps(qwen35, loaded.draft))
+    assert all(c["tensors"] for c in filtered_reads.calls)
     # The target's LoadConfig is the same object, unchanged.
     assert config.load_config is target_load_config
     assert dataclasses.asdict(target_load_config) == before
@@ -89,6 +94,7 @@ def test_instanttensor_target_lazy_draft_with_checkpoint_values(
     assert [(e["action"], e["reason"], e["requested_format"], e["chosen_format"])
             for e in draft] == [("switched", "same_checkpoint", "instanttensor", "safetensors")]
     assert draft[0]["method"] == "mtp" and draft[0]["target_model"] == str(qwen35)
+    assert (draft[0]["pruning_rule"], draft[0]["tensor_filter"]) == ("vllm", True)
     assert vllm_log_lines == [SWITCH_LINE]
 
 
@@ -168,7 +174,8 @@ for _s in SCENARIOS:
 @pytest.mark.parametrize(("scenario", "mode"), sorted(EXPECTED))
 def test_mode_matrix(scenario: str, mode: str, qwen35: Path, qwen35_copy: Path, events: Events,
                      instanttensor_standin: Recorder, lazy_spy: Recorder,
-                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+                     filtered_reads: Recorder, monkeypatch: pytest.MonkeyPatch,
+                     tmp_path: Path) -> None:
     monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", mode)
     kwargs = _scenario(scenario, qwen35, qwen35_copy, monkeypatch, tmp_path)
     config = engine_config(kwargs.pop("model"), **kwargs)
@@ -185,11 +192,14 @@ def test_mode_matrix(scenario: str, mode: str, qwen35: Path, qwen35_copy: Path, 
     draft_it_calls = len(instanttensor_standin.calls) - (1 if target_uses_it else 0)
     draft_lazy_calls = [c for c in lazy_spy.calls if target_uses_it or c is not lazy_spy.calls[0]]
     if chosen == "instanttensor":
-        assert draft_it_calls == 1 and not draft_lazy_calls
-    else:
-        assert draft_it_calls == 0 and len(draft_lazy_calls) == 1
-        expected_strategy = "lazy" if action == "switched" else None
-        assert draft_lazy_calls[0]["strategy"] == expected_strategy
+        assert draft_it_calls == 1 and not draft_lazy_calls and not filtered_reads.calls
+    elif action == "switched":  # lazy safetensors through the tensor filter (a vLLM rule)
+        assert draft_it_calls == 0 and not draft_lazy_calls and filtered_reads.calls
+        assert draft["tensor_filter"] is True
+    else:  # the user's own safetensors loader: vLLM's iterator, as configured
+        assert draft_it_calls == 0 and not filtered_reads.calls
+        assert [c["strategy"] for c in draft_lazy_calls] == [None]
+        assert draft["tensor_filter"] is False
     assert config.load_config is target_load_config
     assert dataclasses.asdict(target_load_config) == before
 
@@ -228,12 +238,14 @@ def test_instanttensor_mode_passes_the_draft_to_instanttensor(
 @pytest.mark.parametrize("route", ["eagle", "mrv2_eagle"])
 def test_mtp_routes_switch_same_checkpoint_drafts(
     route: str, qwen35: Path, events: Events, instanttensor_standin: Recorder,
-    lazy_spy: Recorder,
+    lazy_spy: Recorder, filtered_reads: Recorder,
 ) -> None:
-    load_target_and_draft(engine_config(qwen35), route=route)
+    loaded = load_target_and_draft(engine_config(qwen35), route=route)
     (draft,) = events.decisions("draft")
     assert (draft["action"], draft["reason"]) == ("switched", "same_checkpoint")
-    assert [c["strategy"] for c in lazy_spy.calls] == ["lazy"]
+    assert not lazy_spy.calls
+    assert sorted(n for c in filtered_reads.calls for n in c["tensors"]) == sorted(
+        rule_keeps(qwen35, loaded.draft))
     assert len(instanttensor_standin.calls) == 1
 
 
@@ -259,12 +271,14 @@ def test_standalone_draft_model_routes(
     assert draft["method"] == "draft_model"
     switched = expected[0] == "switched"
     assert len(instanttensor_standin.calls) == (1 if switched else 2)
+    # Qwen3ForCausalLM has no checkpoint-weight rule: vLLM's own lazy iterator, unfiltered.
     assert [c["strategy"] for c in lazy_spy.calls] == (["lazy"] if switched else [])
+    assert draft["tensor_filter"] is False
 
 
 def test_multithread_load_is_dropped_for_the_draft(
     qwen35: Path, events: Events, instanttensor_standin: Recorder, lazy_spy: Recorder,
-    monkeypatch: pytest.MonkeyPatch,
+    filtered_reads: Recorder, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import vllm.model_executor.model_loader.default_loader as default_loader
 
@@ -276,7 +290,7 @@ def test_multithread_load_is_dropped_for_the_draft(
                                                               "num_threads": 2})
     load_target_and_draft(config)
     assert not multi, "the draft used the whole-file multi-thread reader"
-    assert [c["strategy"] for c in lazy_spy.calls] == ["lazy"]
+    assert not lazy_spy.calls and filtered_reads.calls
     assert config.load_config.model_loader_extra_config == {"enable_multithread_load": True,
                                                             "num_threads": 2}
 

@@ -61,9 +61,9 @@ def test_unknown_mode_is_refused() -> None:
 
 
 def test_fall_back_keeps_the_switch_but_loads_lazily() -> None:
-    d = policy.fall_back(policy.decide(draft(), "selective"), "CUDA is not available")
-    assert (d.action, d.reason, d.chosen_format, d.detail) == (
-        "switched", "selective_fallback", "safetensors", "CUDA is not available")
+    d = policy.fall_back(policy.decide(draft(), "selective"), "no_cuda", "CUDA is not available")
+    assert (d.action, d.reason, d.chosen_format, d.fallback, d.detail) == (
+        "switched", "selective_fallback", "safetensors", "no_cuda", "CUDA is not available")
 
 
 # --- checkpoint identity ------------------------------------------------------------------

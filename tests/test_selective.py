@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import Events, Recorder, engine_config, load_target_and_draft
+from conftest import Events, Recorder, engine_config, load_target_and_draft, rule_keeps
 from hybrid_draft import checkpoint
 from hybrid_draft.adapter.rules import deepseek_mtp_unused
 
@@ -17,16 +17,21 @@ pytestmark = pytest.mark.vllm
 
 def test_selective_falls_back_to_lazy_without_cuda(
     deepseek: Path, events: Events, instanttensor_standin: Recorder, lazy_spy: Recorder,
-    monkeypatch: pytest.MonkeyPatch,
+    filtered_reads: Recorder, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", "selective")
-    load_target_and_draft(engine_config(deepseek))
+    loaded = load_target_and_draft(engine_config(deepseek))
     (draft,) = events.decisions("draft")
     assert (draft["action"], draft["reason"], draft["chosen_format"]) == (
         "switched", "selective_fallback", "safetensors")
-    assert draft["detail"] == "CUDA is not available (vLLM platform: cpu)"
-    assert [c["strategy"] for c in lazy_spy.calls] == ["lazy"]
-    assert len(lazy_spy.calls[0]["files"]) == 2  # pruned: the embedding's shard and the MTP's
+    assert (draft["fallback"], draft["detail"]) == (
+        "no_cuda", "CUDA is not available (vLLM platform: cpu)")
+    # The fallback is the filtered lazy path: the embedding's shard and the MTP's, and in
+    # them only the tensors the DeepSeekMTP rule keeps.
+    assert not lazy_spy.calls and draft["tensor_filter"] is True
+    assert len(filtered_reads.calls) == 2
+    assert sorted(n for c in filtered_reads.calls for n in c["tensors"]) == sorted(
+        rule_keeps(deepseek, loaded.draft))
 
 
 def test_selective_falls_back_for_a_draft_class_without_a_rule(
@@ -38,9 +43,10 @@ def test_selective_falls_back_for_a_draft_class_without_a_rule(
     spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 1}
     load_target_and_draft(engine_config(target, speculative_config=spec), route="draft_model")
     (draft,) = events.decisions("draft")
-    assert draft["reason"] == "selective_fallback"
+    assert (draft["reason"], draft["fallback"]) == ("selective_fallback", "no_rule")
     assert draft["detail"] == ("Qwen3ForCausalLM has no checkpoint-weight rule to plan its "
                                "tensors with")
+    assert draft["tensor_filter"] is False
 
 
 def test_tensor_filter_support_is_detected(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch
@@ -77,7 +83,8 @@ def test_an_empty_plan_is_a_fallback_reason(deepseek: Path, ckpt_root: Path) -> 
     draft = config.speculative_config.draft_model_config
     with set_current_vllm_config(config):
         blocker, plan = selective.preflight(configs.Call.resolve(config, draft))
-    assert blocker == "the DeepSeekMTP rule keeps none of the checkpoint's tensors"
+    assert blocker == ("empty_plan", "the DeepSeekMTP rule keeps none of the checkpoint's "
+                                     "tensors")
     assert plan is None
 
 
@@ -125,11 +132,11 @@ def test_selective_loader_streams_exactly_the_planned_tensors(
     import instanttensor
     from safetensors.torch import load_file
 
-    from hybrid_draft.adapter import selective
+    from hybrid_draft.adapter import loaders
 
     recorder = SafeOpenRecorder()
     monkeypatch.setattr(instanttensor, "safe_open", recorder)
-    selective.register()
+    loaders.register(loaders.SELECTIVE)
     spec = {"method": "mtp", "num_speculative_tokens": 1,
             "draft_load_config": {"load_format": "instanttensor_selective"}}
     loaded = load_target_and_draft(engine_config(deepseek, speculative_config=spec))

@@ -40,18 +40,68 @@ def test_events_checks_pass_for_the_configured_mode(
     assert [r.ok for r in smoke.check_events(records, other)] == [True, False]
 
 
-def test_a_selective_fallback_fails_the_check_and_says_why(
+def test_a_selective_fallback_for_want_of_cuda_passes_with_a_warning(
     deepseek: Path, events: Events, instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     records = events_of_a_real_load(deepseek, events, "selective", monkeypatch)
     target, draft = smoke.check_events(records, "selective")
-    assert target.ok and not draft.ok
-    assert "selective_fallback: CUDA is not available" in draft.detail
+    assert target.ok and draft.ok and draft.warning
+    assert draft.line().startswith("WARN draft decision: 1 draft decision(s) fell back to lazy "
+                                   "safetensors (no_cuda: CUDA is not available")
+    # The same events in another mode are no fallback at all: that mode's format is missing.
+    assert not smoke.check_events(records, "instanttensor")[1].ok
 
 
-def test_no_events_fail_both_checks() -> None:
+def test_a_selective_fallback_for_another_cause_fails_naming_it(
+    qwen3_pair: tuple[Path, Path], events: Events, instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real ``no_rule`` fallback: a standalone draft whose class has no weight rule."""
+    monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", "selective")
+    target, _ = qwen3_pair
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 1}
+    load_target_and_draft(engine_config(target, speculative_config=spec), route="draft_model")
+    records = smoke.read_events(events.path.read_text().splitlines())
+    _, draft = smoke.check_events(records, "selective")
+    assert not draft.ok and not draft.warning
+    assert draft.detail == (
+        "mode selective fell back to lazy safetensors for another cause than a host without "
+        "CUDA: no_rule: Qwen3ForCausalLM has no checkpoint-weight rule to plan its tensors with")
+
+
+def test_no_events_fail_every_events_check() -> None:
     assert [r.ok for r in smoke.check_events([], "auto")] == [False, False]
+    assert not smoke.check_loads([]).ok
+
+
+def test_loads_check_wants_a_loaded_event_for_target_and_draft(
+    qwen35: Path, events: Events, instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    records = events_of_a_real_load(qwen35, events, "auto", monkeypatch)
+    result = smoke.check_loads(records)
+    assert result.ok and result.detail.startswith(
+        "2 load(s) reported: target instanttensor in ")
+    no_draft = [e for e in records
+                if not (e["event"] == "hybrid_draft.loaded" and e["role"] == "draft")]
+    missing = smoke.check_loads(no_draft)
+    assert not missing.ok and missing.detail == "no hybrid_draft.loaded event for the draft"
+
+
+def test_loads_check_fails_on_a_failed_load(
+    qwen35: Path, events: Events, instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hybrid_draft.settings import ConfigError
+
+    monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", "fastest")
+    with pytest.raises(ConfigError):
+        load_target_and_draft(engine_config(qwen35))
+    result = smoke.check_loads(smoke.read_events(events.path.read_text().splitlines()))
+    assert not result.ok
+    assert result.detail.startswith("1 load(s) failed, e.g. the target: ConfigError: "
+                                    "INSTANTTENSOR_DRAFT_LOADER: 'fastest'")
 
 
 def vllm_metrics_text(draft_tokens: int | None) -> str:
@@ -158,8 +208,14 @@ def test_smoke_command_end_to_end(draft_tokens: int, code: int, qwen35: Path, ev
         server.shutdown()
     lines = out.stdout.splitlines()
     assert out.returncode == code, out.stdout + out.stderr
-    assert [ln.split(":")[0] for ln in lines[:-1]] == [
+    assert [ln.split(":")[0] for ln in lines[:6]] == [
         "PASS models", "PASS completions",
         f"{'PASS' if draft_tokens else 'FAIL'} speculative metrics",
-        "PASS target decision", "PASS draft decision"]
-    assert lines[-1].startswith("smoke: ")
+        "PASS target decision", "PASS draft decision", "PASS loads"]
+    # Then the events file's load report, as `hybrid-draft report` prints it, and the verdict.
+    from hybrid_draft import report
+
+    summary = report.text(smoke.read_events(events.path.read_text().splitlines()))
+    assert "\n".join(lines[6:-1]).strip() == (
+        f"load report ({events.path}):\n{summary}")
+    assert lines[-1] == f"smoke: {6 - code} passed, {code} failed"

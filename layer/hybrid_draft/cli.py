@@ -1,4 +1,4 @@
-"""The ``hybrid-draft`` command: config, doctor, plan, bench, make-checkpoint, smoke."""
+"""The ``hybrid-draft`` command: config, doctor, plan, bench, make-checkpoint, smoke, report."""
 
 from __future__ import annotations
 
@@ -64,14 +64,20 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     if args.if_missing and synth.is_complete(out):
         print(f"{out}: a checkpoint is already there; leaving it")
         return 0
+    presets = synth.PRESETS[args.arch]
+    preset = args.preset or ("default" if "default" in presets else "tiny")
+    if preset not in presets:
+        print(f"hybrid-draft make-checkpoint: --preset {preset!r} is not one of --arch "
+              f"{args.arch}'s presets: {', '.join(presets)}", file=sys.stderr)
+        return 2
     kwargs = {"moe": args.moe} if args.arch not in ("qwen3_5", "qwen3") else {}
-    layout = synth.ARCHITECTURES[args.arch](args.preset, **kwargs)
+    layout = synth.ARCHITECTURES[args.arch](preset, **kwargs)
     shards = synth.shard(layout, num_shards=args.shards, mtp_own_shard=args.mtp_own_shard)
     if args.tokenizer:
         out.mkdir(parents=True, exist_ok=True)
         synth.write_tokenizer(out, layout.config["vocab_size"])
     synth.write_checkpoint(out, layout, shards, fill=args.fill, seed=args.seed)
-    print(f"{out}: {args.arch}/{args.preset}, {len(shards)} shards, "
+    print(f"{out}: {args.arch}/{preset}, {len(shards)} shards, "
           f"{len(layout.tensors)} tensors, {layout.nbytes / 1e6:.1f} MB")
     return 0
 
@@ -80,6 +86,20 @@ def _smoke(args: argparse.Namespace) -> int:
     from hybrid_draft import smoke
 
     return smoke.main(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from hybrid_draft import report
+
+    try:
+        with open(args.events_file, encoding="utf-8", errors="replace") as f:
+            summary = report.summarize(report.read(f))
+    except OSError as exc:
+        print(f"hybrid-draft report: cannot read {args.events_file}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2) if args.json else report.render(summary))
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -109,7 +129,11 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-checkpoint", help="write a random-weight MTP checkpoint")
     m.add_argument("out_dir")
     m.add_argument("--arch", choices=sorted(synth.ARCHITECTURES), default="qwen3_5")
-    m.add_argument("--preset", default="default")
+    listed = "; ".join(f"{a}: {', '.join(p)}" for a, p in synth.PRESETS.items())
+    m.add_argument("--preset", default=None,
+                   help=f"the shapes ({listed}); default: `default` where the architecture "
+                        f"has one, else `tiny`. `cpu` ({', '.join(synth.CPU_SERVABLE)}): "
+                        "shapes vLLM's CPU build serves")
     m.add_argument("--shards", type=int, default=2)
     m.add_argument("--mtp-own-shard", action=argparse.BooleanOptionalAction, default=True)
     m.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True)
@@ -126,6 +150,12 @@ def parser() -> argparse.ArgumentParser:
 
     smoke.add_arguments(s)
     s.set_defaults(func=_smoke)
+
+    r = sub.add_parser("report", help="what each model load in an events file cost, and "
+                                      "what the draft saved against a second full pass")
+    r.add_argument("events_file", help="the layer's JSONL events file (HYBRID_DRAFT_EVENTS_FILE)")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=_report)
 
     b = sub.add_parser("bench", help="the draft-load benchmark (CPU; GPU strategies with CUDA)")
     from hybrid_draft.bench import run

@@ -1,7 +1,10 @@
 """``hybrid-draft doctor``: is the layer installed and active here, and will it work?
 
 One line per check, ``ok`` or ``FAIL``; any failure makes the command exit non-zero. The
-image runs it at build time, so a layer that is not active fails the build.
+image runs it at build time, so a layer that is not active fails the build. Each check runs
+on its own: one that raises (importing vLLM can raise anything, e.g. next to a torchvision
+built for another torch) is a ``FAIL`` line naming the exception, never a traceback, and
+the checks after it still run.
 """
 
 from __future__ import annotations
@@ -63,12 +66,23 @@ def check_instanttensor() -> Check:
         ver = version("instanttensor")
     except PackageNotFoundError:
         ver = getattr(instanttensor, "__version__", "unknown version")
-    from hybrid_draft.adapter.selective import tensor_filter_supported
+    return True, f"instanttensor: {ver} imports"
 
-    problem = tensor_filter_supported()
-    selective = ("selective mode available" if problem is None
-                 else f"selective falls back: {problem}")
-    return True, f"instanttensor: {ver} imports; {selective}"
+
+def check_selective() -> Check:
+    """Whether mode ``selective`` streams here, by the very checks its loads make.
+
+    Without CUDA it falls back to lazy safetensors by design (any CPU host, an image build):
+    that passes. An InstantTensor without ``tensor_filter`` is a broken install: that fails.
+    """
+    from hybrid_draft.adapter import selective
+
+    no_cuda = selective.cuda_unavailable()
+    no_filter = selective.tensor_filter_supported()
+    if no_cuda is None and no_filter is None:
+        return True, "selective: available (CUDA and InstantTensor's tensor_filter)"
+    why = "; ".join(p for p in (no_cuda, no_filter) if p)
+    return no_filter is None, f"selective: falls back to lazy safetensors here: {why}"
 
 
 def check_config() -> Check:
@@ -82,13 +96,25 @@ def check_config() -> Check:
 
 
 CHECKS: list[Callable[[], Check]] = [check_installed, check_config, check_vllm,
-                                     check_instanttensor]
+                                     check_instanttensor, check_selective]
+
+
+def isolated(check: Callable[[], Check]) -> Check:
+    """Run one check; whatever it raises becomes its ``FAIL`` line (one line, no traceback)."""
+    name = getattr(check, "__name__", "check").removeprefix("check_")
+    try:
+        ok, line = check()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit from an import included: report, carry on
+        ok, line = False, f"{name}: the check raised {type(exc).__name__}: {exc}"
+    return bool(ok), " ".join(str(line).split())
 
 
 def run() -> int:
     failed = 0
     for check in CHECKS:
-        ok, line = check()
+        ok, line = isolated(check)
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {line}", flush=True)
     return 1 if failed else 0

@@ -79,6 +79,8 @@ class Decision:
     requested_format: str
     chosen_format: str
     detail: str | None = None
+    #: Why a selective decision fell back (a stable code, ``adapter.selective.FALLBACKS``).
+    fallback: str | None = None
 
     @property
     def switched(self) -> bool:
@@ -145,7 +147,7 @@ def decide(request: Request, mode: str) -> Decision:
     return switched("same_checkpoint")
 
 
-def fall_back(decision: Decision, detail: str) -> Decision:
+def fall_back(decision: Decision, code: str, detail: str) -> Decision:
     """A selective decision that cannot stream selectively: lazy safetensors instead."""
     return replace(decision, reason="selective_fallback", chosen_format=SAFETENSORS,
-                   detail=detail)
+                   detail=detail, fallback=code)

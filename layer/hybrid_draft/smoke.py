@@ -2,10 +2,14 @@
 
 Checks, each printed as one ``PASS``/``FAIL`` line: ``/v1/models`` lists the model; a few
 completions return text; vLLM's Prometheus metrics count proposed draft tokens (> 0); the
-layer's events file holds a target decision that kept ``instanttensor`` and a draft
-decision whose ``chosen_format`` is the configured mode's. Exits 1 if any check fails.
-The checks are plain functions of what the server returned, so tests feed them real vLLM
-output without a GPU.
+layer's events file holds a target decision that kept ``instanttensor``, a draft decision
+whose ``chosen_format`` is the configured mode's, and a ``loaded`` event for the target and
+the draft with no ``load_failed``. In mode ``selective``, a draft that fell back to lazy
+safetensors because the host has no CUDA passes with a ``WARN`` line (that fallback is by
+design); a fallback for any other cause fails, naming it. Then it prints the events file's
+load report (``hybrid-draft report``) and a last line with the verdict. Exits 1 if any check
+fails. The checks are plain functions of what the server returned, so tests feed them real
+vLLM output without a GPU.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_draft import policy
+from hybrid_draft import policy, report
 
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 PROMPTS = ("The quick brown fox", "Speculative decoding is", "In a hybrid loader,")
+#: The one ``selective_fallback`` cause that is not a fault: a host without CUDA.
+NO_CUDA = "no_cuda"
 
 
 @dataclass(frozen=True)
@@ -31,9 +37,12 @@ class Result:
     name: str
     ok: bool
     detail: str
+    #: A passing check the user should know about (printed ``WARN``, counted as passed).
+    warning: bool = False
 
     def line(self) -> str:
-        return f"{'PASS' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+        tag = "FAIL" if not self.ok else "WARN" if self.warning else "PASS"
+        return f"{tag} {self.name}: {self.detail}"
 
 
 def check_models(payload: dict[str, Any], model: str | None) -> Result:
@@ -82,40 +91,74 @@ def check_metrics(metrics_text: str) -> Result:
 
 
 def read_events(lines: Iterable[str]) -> list[dict[str, Any]]:
-    events = []
-    for line in lines:
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                continue
-    return events
+    return report.read(lines)
+
+
+def _chose(e: dict[str, Any]) -> str:
+    detail = f": {e['detail']}" if e.get("detail") else ""
+    return f"{e.get('chosen_format')} ({e.get('reason')}{detail})"
+
+
+def check_draft_decisions(drafts: list[dict[str, Any]], mode: str) -> Result:
+    """Every draft decision chose the mode's format; in mode ``selective`` a fallback to lazy
+    safetensors passes (with a warning) only when its ``fallback`` code is ``no_cuda``."""
+    name = "draft decision"
+    if not drafts:
+        return Result(name, False, "no draft decision in the events file")
+    expected = policy.DRAFT_FORMAT_BY_MODE[mode]
+    matching = [e for e in drafts if e.get("chosen_format") == expected]
+    fallbacks = [e for e in drafts if mode == "selective"
+                 and e.get("reason") == "selective_fallback"
+                 and e.get("chosen_format") == policy.SAFETENSORS]
+    others = [e for e in drafts if e not in matching and e not in fallbacks]
+    if others:
+        return Result(name, False, f"mode {mode} expects {expected}; draft decisions chose "
+                                   f"{', '.join(sorted({_chose(e) for e in others}))}")
+    faults = [e for e in fallbacks if e.get("fallback") != NO_CUDA]
+    if faults:
+        causes = sorted({f"{e.get('fallback') or 'no fallback code'}: {e.get('detail')}"
+                         for e in faults})
+        return Result(name, False, f"mode selective fell back to lazy safetensors for another "
+                                   f"cause than a host without CUDA: {'; '.join(causes)}")
+    if fallbacks:
+        return Result(name, True, f"{len(fallbacks)} draft decision(s) fell back to lazy "
+                                  f"safetensors (no_cuda: {fallbacks[0].get('detail')}); "
+                                  "selective streams only on a CUDA host", warning=True)
+    return Result(name, True, f"{len(matching)} draft decision(s) chose {expected} "
+                              f"({matching[0].get('reason')}) in mode {mode}")
+
+
+def check_loads(events: list[dict[str, Any]]) -> Result:
+    """A ``loaded`` event for the target and for the draft, and no ``load_failed``."""
+    loaded = [e for e in events if e.get("event") == "hybrid_draft.loaded"]
+    failed = [e for e in events if e.get("event") == "hybrid_draft.load_failed"]
+    if failed:
+        first = failed[0]
+        return Result("loads", False, f"{len(failed)} load(s) failed, e.g. the "
+                                      f"{first.get('role')}: {first.get('error_type')}: "
+                                      f"{first.get('error')}")
+    roles = {r: [e for e in loaded if e.get("role") == r] for r in ("target", "draft")}
+    missing = [r for r, es in roles.items() if not es]
+    if missing:
+        return Result("loads", False, f"no hybrid_draft.loaded event for the "
+                                      f"{' and the '.join(missing)}")
+    shown = ", ".join(f"{r} {es[0].get('load_format')} in {es[0].get('seconds')} s"
+                      for r, es in roles.items())
+    return Result("loads", True, f"{len(loaded)} load(s) reported: {shown}")
 
 
 def check_events(events: list[dict[str, Any]], mode: str) -> list[Result]:
     decisions = [e for e in events if e.get("event") == "hybrid_draft.decision"]
     targets = [e for e in decisions if e.get("role") == "target"]
     drafts = [e for e in decisions if e.get("role") == "draft"]
-    expected = policy.DRAFT_FORMAT_BY_MODE[mode]
     kept = [e for e in targets if e.get("chosen_format") == policy.INSTANTTENSOR
             and e.get("action") == "kept"]
-    out = [Result(
-        "target decision", bool(kept),
-        f"{len(kept)} of {len(targets)} target decisions kept instanttensor"
-        if targets else "no target decision in the events file")]
-    matching = [e for e in drafts if e.get("chosen_format") == expected]
-    if matching:
-        d = matching[0]
-        out.append(Result("draft decision", True, f"{len(matching)} draft decision(s) chose "
-                                                  f"{expected} ({d.get('reason')}) in mode {mode}"))
-    else:
-        seen = sorted({f"{e.get('chosen_format')} ({e.get('reason')}"
-                       f"{': ' + e['detail'] if e.get('detail') else ''})" for e in drafts})
-        out.append(Result("draft decision", False,
-                          f"mode {mode} expects {expected}; draft decisions chose "
-                          f"{', '.join(seen) or 'nothing (no draft decision)'}"))
-    return out
+    return [
+        Result("target decision", bool(kept),
+               f"{len(kept)} of {len(targets)} target decisions kept instanttensor"
+               if targets else "no target decision in the events file"),
+        check_draft_decisions(drafts, mode),
+    ]
 
 
 def _get(url: str, timeout: float = 30.0) -> str:
@@ -142,6 +185,15 @@ def wait_healthy(base: str, seconds: float) -> bool:
             time.sleep(2)
 
 
+def load_events(events_file: str) -> tuple[list[dict[str, Any]] | None, Result | None]:
+    """The events file's events, or why it could not be read."""
+    try:
+        with open(events_file, encoding="utf-8", errors="replace") as f:
+            return read_events(f), None
+    except OSError as exc:
+        return None, Result("events", False, f"cannot read {events_file}: {exc}")
+
+
 def run_checks(base: str, model: str | None, events_file: str, mode: str,
                count: int) -> list[Result]:
     results: list[Result] = []
@@ -164,11 +216,12 @@ def run_checks(base: str, model: str | None, events_file: str, mode: str,
         results.append(check_metrics(_get(f"{base}/metrics")))
     except (urllib.error.URLError, OSError) as exc:
         results.append(Result("speculative metrics", False, f"GET /metrics failed: {exc}"))
-    try:
-        with open(events_file, encoding="utf-8") as f:
-            results.extend(check_events(read_events(f), mode))
-    except OSError as exc:
-        results.append(Result("events", False, f"cannot read {events_file}: {exc}"))
+    events, problem = load_events(events_file)
+    if events is None:
+        results.append(problem)  # type: ignore[arg-type]
+    else:
+        results.extend(check_events(events, mode))
+        results.append(check_loads(events))
     return results
 
 
@@ -209,6 +262,11 @@ def main(args: argparse.Namespace) -> int:
     results = run_checks(base, args.model, args.events_file, mode, args.completions)
     for r in results:
         print(r.line(), flush=True)
+    events, _ = load_events(args.events_file)
+    if events is not None:
+        print(f"\nload report ({args.events_file}):\n{report.text(events)}\n", flush=True)
     failed = [r for r in results if not r.ok]
-    print(f"smoke: {len(results) - len(failed)} passed, {len(failed)} failed", flush=True)
+    warned = sum(r.ok and r.warning for r in results)
+    print(f"smoke: {len(results) - len(failed)} passed"
+          f"{f' ({warned} with a warning)' if warned else ''}, {len(failed)} failed", flush=True)
     return 1 if failed else 0

@@ -213,6 +213,16 @@ DEEPSEEK_V3_PRESETS: dict[str, dict] = {
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
         topk_group=1, first_k_dense_replace=1,
     ),
+    # What vLLM's CPU build serves (its end-to-end test, the local CPU image): the tiny
+    # shapes with DeepSeek's real MLA ranks, since its CPU MLA attention takes only head
+    # sizes (kv_lora_rank + qk_rope_head_dim) 320, 512 and 576.
+    "cpu": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=512,
+        qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1,
+    ),
     # The real DeepSeek-V3/R1 shapes: 61 layers, 256 experts, FP8 with 128x128 scales.
     "full": dict(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432,
@@ -290,6 +300,12 @@ GLM4_MOE_PRESETS: dict[str, dict] = {
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+    ),
+    # What vLLM's CPU build serves: its CPU attention refuses head_dim 16, takes 32.
+    "cpu": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
     ),
 }
@@ -380,6 +396,11 @@ def qwen3(preset: str = "tiny", **overrides: int) -> Layout:
 
 ARCHITECTURES = {"qwen3_5": qwen3_5, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
                  "qwen3": qwen3}
+#: Each architecture's presets (``qwen3`` takes Qwen3.5's shapes).
+PRESETS = {"qwen3_5": QWEN3_5_PRESETS, "deepseek_v3": DEEPSEEK_V3_PRESETS,
+           "glm4_moe": GLM4_MOE_PRESETS, "qwen3": QWEN3_5_PRESETS}
+#: vLLM's CPU build serves these (``hybrid-draft make-checkpoint DIR --arch A --preset cpu``).
+CPU_SERVABLE = ("deepseek_v3", "glm4_moe")
 
 
 # --- sharding and writing ------------------------------------------------------------------

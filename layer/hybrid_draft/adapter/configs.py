@@ -91,7 +91,6 @@ def lazy_load_config(load_config: Any) -> Any:
     return dataclasses.replace(load_config, **changes)
 
 
-def selective_load_config(load_config: Any) -> Any:
-    """A copy that routes the draft to the registered selective loader."""
-    lazy = lazy_load_config(load_config)
-    return dataclasses.replace(lazy, load_format=policy.SELECTIVE_FORMAT)
+def loader_load_config(load_config: Any, load_format: str) -> Any:
+    """A lazy copy that routes the draft to one of this layer's registered loaders."""
+    return dataclasses.replace(lazy_load_config(load_config), load_format=load_format)

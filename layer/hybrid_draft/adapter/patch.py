@@ -4,8 +4,10 @@
 bootstrap's post-import hook). If ``get_model`` has a shape this layer understands it is
 replaced by a wrapper with the same signature and metadata; otherwise nothing is touched
 and a ``hybrid_draft.patch_skipped`` event says why. Each wrapped call reads the settings,
-asks the policy, emits exactly one ``hybrid_draft.decision`` event, and calls vLLM's
-``get_model`` with the draft's switched load config, or with its arguments unchanged.
+asks the policy, emits exactly one ``hybrid_draft.decision`` event, calls vLLM's
+``get_model`` with the draft's switched load config (or its arguments unchanged), and then
+says what the load cost: ``hybrid_draft.loaded``, or ``hybrid_draft.load_failed`` before
+the exception propagates unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybrid_draft import __version__, policy, settings
-from hybrid_draft.adapter import configs
+from hybrid_draft.adapter import configs, stats
 from hybrid_draft.events import emit
 
 MODULE = "vllm.model_executor.model_loader"
@@ -76,7 +78,25 @@ def on_model_loader(module: Any) -> None:
              reason=problem)
         return
     module.get_model = wrap(module.get_model)
-    emit("hybrid_draft.patched", vllm_version=vllm_version(), target=TARGET)
+    try:
+        unmeasured = stats.instrument(sys.modules[f"{MODULE}.default_loader"])
+    except Exception as exc:  # load figures are a report, never a reason to stop
+        unmeasured = f"{type(exc).__name__}: {exc}"
+    extra = {"load_stats": "unavailable: " + unmeasured} if unmeasured else {}
+    emit("hybrid_draft.patched", vllm_version=vllm_version(), target=TARGET, **extra)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One call as decided: who loads what, with which loader, and where events go."""
+
+    role: str | None = None
+    model: str | None = None
+    load_format: str | None = None
+    tensor_filter: bool = False
+    #: The draft's replacement load config; None keeps the call's arguments.
+    load_config: Any = None
+    sink: tuple[str, str | None] | None = None
 
 
 def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -84,28 +104,55 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def get_model(*args: Any, **kwargs: Any) -> Any:
-        try:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            new_load_config = decide(bound.arguments["vllm_config"],
-                                     bound.arguments.get("model_config"),
-                                     bound.arguments.get("load_config"))
-        except settings.ConfigError:
-            raise  # an invalid setting stops the load (CONTRACT.md)
-        except Exception as exc:
-            # A fault of the layer's own must not fail a load vLLM would have done:
-            # report it and let vLLM load exactly as asked.
-            unknown = dict.fromkeys(DECISION_FIELDS)
-            emit("hybrid_draft.decision", "error", **{
-                **unknown, "action": "kept", "reason": "layer_error",
-                "detail": f"{type(exc).__name__}: {exc}"})
-            new_load_config = None
-        if new_load_config is not None:
-            kwargs = {**kwargs, "load_config": new_load_config}
-        return original(*args, **kwargs)
+        with stats.measuring() as cost:
+            outcome = Outcome()
+            try:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                call = configs.Call.resolve(bound.arguments["vllm_config"],
+                                            bound.arguments.get("model_config"),
+                                            bound.arguments.get("load_config"))
+                decide(call, outcome)
+            except settings.ConfigError as exc:
+                _finish(outcome, cost, exc)
+                raise  # an invalid setting stops the load (CONTRACT.md)
+            except Exception as exc:
+                # A fault of the layer's own must not fail a load vLLM would have done:
+                # report it and let vLLM load exactly as asked.
+                unknown = dict.fromkeys(DECISION_FIELDS)
+                emit("hybrid_draft.decision", "error", **{
+                    **unknown, "role": outcome.role, "model": outcome.model,
+                    "action": "kept", "reason": "layer_error",
+                    "detail": f"{type(exc).__name__}: {exc}"})
+                outcome.load_config = None
+            if outcome.load_config is not None:
+                kwargs = {**kwargs, "load_config": outcome.load_config}
+            try:
+                model = original(*args, **kwargs)
+            except BaseException as exc:
+                _finish(outcome, cost, exc)
+                raise
+            _finish(outcome, cost, None)
+        return model
 
     setattr(get_model, _WRAPPED, True)
     return get_model
+
+
+def _finish(outcome: Outcome, cost: stats.LoadStats, exc: BaseException | None) -> None:
+    """``hybrid_draft.loaded``, or ``load_failed`` for a call that raised; never raises."""
+    try:
+        fields: dict[str, Any] = {"role": outcome.role, "model": outcome.model,
+                                  "load_format": outcome.load_format,
+                                  "tensor_filter": outcome.tensor_filter, **cost.fields()}
+        sink = outcome.sink or settings.event_sink()
+        if exc is None:
+            emit("hybrid_draft.loaded", sink=sink, **fields)
+        else:
+            emit("hybrid_draft.load_failed", "error", sink=sink, **fields,
+                 error_type=type(exc).__name__, error=str(exc))
+    except Exception:  # the load's own outcome (model or exception) is what matters
+        pass
 
 
 def _current_settings() -> settings.Settings:
@@ -117,11 +164,14 @@ def _current_settings() -> settings.Settings:
         raise
 
 
-def decide(vllm_config: Any, model_config: Any, load_config: Any) -> Any:
-    """Emit this call's decision; return the draft's new load config, or None to keep it."""
-    current = _current_settings()
-    call = configs.Call.resolve(vllm_config, model_config, load_config)
+def decide(call: configs.Call, outcome: Outcome) -> None:
+    """Decide this call, emit its decision, and fill ``outcome`` for the load."""
     request = call.request()
+    outcome.role = request.role
+    outcome.model = request.model.model if request.model else None
+    outcome.load_format = request.requested_format
+    current = _current_settings()
+    outcome.sink = (current.level.value, current.events_file.value)
     decision = policy.decide(request, current.mode.value)
     extra: dict[str, Any] = {}
     if request.role == "draft":
@@ -132,20 +182,35 @@ def decide(vllm_config: Any, model_config: Any, load_config: Any) -> Any:
         try:
             blocker, plan = selective.preflight(call)
         except Exception as exc:  # planning reads the checkpoint: never fail the load on it
-            blocker, plan = f"planning failed: {type(exc).__name__}: {exc}", None
+            blocker, plan = ("planning_failed", f"{type(exc).__name__}: {exc}"), None
         if blocker:
-            decision = policy.fall_back(decision, blocker)
+            decision = policy.fall_back(decision, *blocker)
         else:
             assert plan is not None
-            selective.register()
             extra.update(plan.summary())
-    new_load_config = None
     if decision.switched:
-        build = (configs.selective_load_config if decision.chosen_format ==
-                 policy.SELECTIVE_FORMAT else configs.lazy_load_config)
-        new_load_config = build(call.load_config)
+        outcome.load_config, outcome.tensor_filter = _switched_load_config(
+            call, decision.chosen_format, extra.get("pruning_rule"))
+        outcome.load_format = decision.chosen_format
+    if request.role == "draft":
+        extra["tensor_filter"] = outcome.tensor_filter
     _report(current, request, decision, extra)
-    return new_load_config
+
+
+def _switched_load_config(call: configs.Call, chosen: str, rule: str | None
+                          ) -> tuple[Any, bool]:
+    """The draft's load config for ``chosen``, and whether its tensors are filtered.
+
+    A switch to lazy safetensors for a class with a checkpoint-weight rule goes to the
+    ``safetensors_filtered`` loader: the same lazy reads, minus every rejected tensor.
+    """
+    from hybrid_draft.adapter import loaders
+
+    if chosen == policy.SAFETENSORS and rule in (None, "none"):
+        return configs.lazy_load_config(call.load_config), False
+    load_format = loaders.FILTERED if chosen == policy.SAFETENSORS else chosen
+    loaders.register(load_format)
+    return configs.loader_load_config(call.load_config, load_format), True
 
 
 def _install_rule(call: configs.Call) -> str | None:
@@ -173,6 +238,8 @@ def _report(current: settings.Settings, request: policy.Request, decision: polic
     }
     if decision.detail:
         fields["detail"] = decision.detail
+    if decision.fallback:
+        fields["fallback"] = decision.fallback
     if request.model is not None:
         fields.update(model=request.model.model, revision=request.model.revision)
     if request.target is not None:

@@ -24,7 +24,7 @@ from typing import Any
 GIB = 1 << 30
 LAYOUT_VERSION = 2
 DRAFT_NAMES = "bench-draft-tensors.json"
-NEEDS_VLLM = ("lazy", "lazy_pruned")
+NEEDS_VLLM = ("lazy", "lazy_pruned", "auto", "selective")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,6 +121,7 @@ def draft_plan(directory: Path) -> dict[str, Any]:
     meta = {t.name: (t.dtype, list(t.shape)) for _, t in kept}
     by_name = {s.name: str(s.path) for s in shards}
     return {
+        "model_dir": str(directory),
         "draft_class": draft_class,
         "rule_source": source,
         "files_all": [str(s.path) for s in shards],
@@ -161,6 +162,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "bytes_read": raw["bytes_read"][i],
         "resident_bytes": raw["resident_bytes"][i],
         "peak_rss": raw["peak_rss"],
+        **({"ran": raw["ran"]} if "ran" in raw else {}),
         "rss_before": raw["rss_before"],
         "cold": all(raw["cold"]),
         "gb_per_s": raw["bytes_read"][i] / median / 1e9 if median > 0 else 0.0,
@@ -190,7 +192,13 @@ def table(result: dict[str, Any], key: str = "strategies") -> str:
         rows.append(f"{name:<14}{s['median_seconds']:>10.3f}{spread:>16}{s['gb_per_s']:>8.2f}"
                     f"{_fmt_bytes(s['bytes_read']):>13}{_fmt_bytes(s['resident_bytes']):>12}"
                     f"{_fmt_bytes(s['peak_rss']):>11}{vs:>9}{up:>8}")
+    rows += [f"({name} ran {s['ran']})" for name, s in result[key].items()
+             if s.get("ran") and not s["ran"].startswith(_PRODUCT_FORMATS.get(name, name))]
     return "\n".join(rows)
+
+
+#: The load format each product strategy runs when nothing falls back.
+_PRODUCT_FORMATS = {"auto": "safetensors_filtered", "selective": "instanttensor_selective"}
 
 
 def chart(result: dict[str, Any], path: Path) -> None:

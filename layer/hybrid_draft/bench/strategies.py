@@ -9,8 +9,12 @@ worker reports its peak RSS. One process per strategy keeps the RSS figures apar
 CPU strategies: ``full_pass`` (every byte of every shard, as a second InstantTensor pass
 reads), ``lazy`` and ``lazy_pruned`` (vLLM's real ``safetensors_weights_iterator``, a
 consumer that copies only the draft's tensors into preallocated buffers, all shards or the
-pruned ones), ``selective`` (only the planned tensors, one large positional read each) and
-``limit`` (one sequential pass over exactly the draft's byte ranges, merged).
+pruned ones: stock vLLM and the original mod), ``auto`` (the product's own default path for
+a same-checkpoint draft: the ``safetensors_filtered`` loader mode ``auto`` switches the
+draft to, driven through its ``get_all_weights`` with the draft class's rule), ``selective``
+(mode ``selective`` as it runs on this host: its InstantTensor loader with CUDA, else the
+very ``auto`` path it falls back to), and ``limit`` (one sequential pass over exactly the
+draft's byte ranges, merged: the storage's floor).
 GPU strategies (CUDA only): ``it_full`` and ``it_selective`` (InstantTensor without and
 with ``tensor_filter``) and ``lazy_to_gpu`` (lazy safetensors, then a copy to the device).
 """
@@ -27,7 +31,7 @@ from typing import Any
 from hybrid_draft.bench import pagecache
 
 CHUNK = 64 << 20
-CPU_STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "selective", "limit")
+CPU_STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "auto", "selective", "limit")
 GPU_STRATEGIES = ("it_full", "it_selective", "lazy_to_gpu")
 TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32",
                 "F8_E4M3": "float8_e4m3fn", "I64": "int64", "I32": "int32", "U8": "uint8"}
@@ -76,25 +80,39 @@ def _lazy(files_key: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
     return make
 
 
-def selective(spec: dict[str, Any]) -> Callable[[], None]:
-    import torch
+def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
+    """One of hybrid-draft's registered draft loaders, driven as vLLM drives it for the
+    draft: ``get_all_weights`` with the draft class's rule, every tensor copied in."""
+    def make(spec: dict[str, Any]) -> Callable[[], None]:
+        from types import SimpleNamespace
 
-    ranges = [tuple(r) for r in spec["tensor_ranges"]]  # (path, start, end, name)
-    buffers = {name: torch.zeros(end - start, dtype=torch.uint8)
-               for _, start, end, name in ranges}
+        from vllm.config.load import LoadConfig
 
-    def run() -> None:
-        fds: dict[str, int] = {}
-        try:
-            for path, start, _end, name in ranges:
-                fd = fds.get(path)
-                if fd is None:
-                    fd = fds[path] = os.open(path, os.O_RDONLY)
-                _read_fully(fd, memoryview(buffers[name].numpy()), start)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-    return run
+        from hybrid_draft.adapter import inspect, loaders, selective
+
+        if load_format == loaders.SELECTIVE and selective.cuda_unavailable() is not None:
+            spec["ran"] = f"auto ({selective.cuda_unavailable()})"
+            fmt, device = loaders.FILTERED, "cpu"
+        else:
+            spec["ran"] = load_format
+            fmt, device = load_format, ("cpu" if load_format == loaders.FILTERED
+                                        else spec["device"])
+        rule = inspect.mtp_draft(spec["model_dir"]).is_unused
+        if rule is None:
+            raise SystemExit(f"{spec['model_dir']}: the draft class has no rule")
+        loader = loaders._loader_classes()[fmt](LoadConfig(load_format=fmt, device=device,
+                                                           use_tqdm_on_load=False))
+        model = SimpleNamespace(is_unused_checkpoint_weight=rule)
+        model_config = SimpleNamespace(model=spec["model_dir"], revision=None)
+        buffers = _buffers(spec, device)
+
+        def run() -> None:
+            for name, tensor in loader.get_all_weights(model_config, model):
+                buffers[name].copy_(tensor)
+            if device != "cpu":
+                _cuda_sync()
+        return run
+    return make
 
 
 def limit(spec: dict[str, Any]) -> Callable[[], None]:
@@ -164,7 +182,8 @@ def lazy_to_gpu(spec: dict[str, Any]) -> Callable[[], None]:
 
 STRATEGIES: dict[str, Callable[[dict[str, Any]], Callable[[], None]]] = {
     "full_pass": full_pass, "lazy": _lazy("files_all"), "lazy_pruned": _lazy("files_pruned"),
-    "selective": selective, "limit": limit,
+    "auto": _product("safetensors_filtered"), "selective": _product("instanttensor_selective"),
+    "limit": limit,
     "it_full": it_full, "it_selective": it_selective, "lazy_to_gpu": lazy_to_gpu,
 }
 
@@ -184,6 +203,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         out["resident_bytes"].append(pagecache.resident_bytes(files))
         out["cold"].append(left == 0)
     out["peak_rss"] = pagecache.peak_rss()
+    if "ran" in spec:
+        out["ran"] = spec["ran"]
     return out
 
 

@@ -1,0 +1,189 @@
+"""hybrid-draft's draft loaders, registered with vLLM's own ``register_model_loader``.
+
+Both are vLLM's ``DefaultModelLoader`` but for one step: the primary weights of a model
+whose class has a checkpoint-weight rule (``is_unused_checkpoint_weight``, vLLM's or this
+layer's) are read by a :class:`~hybrid_draft.checkpoint.Selection` made from the shard
+headers: a shard holding nothing the draft keeps is never opened, and a tensor the rule
+rejects is never touched, as vLLM already skips other ranks' experts
+(``should_skip_weight``) before reading. vLLM's lazy iterator, by contrast, calls
+``get_tensor`` on every tensor of every shard it opens, and readahead then reads most of
+each one. Everything else is vLLM's: file resolution, the model's ``load_weights``, the
+"weights were not initialized" check, quantization. A source without a rule (secondary
+weights, a class without one) is read by vLLM's own lazy safetensors iterator.
+
+- ``safetensors_filtered``: the kept tensors, memory-mapped (lazy safetensors), shard by
+  shard in file order. Modes ``auto`` and ``safetensors`` (and the selective fallback).
+- ``instanttensor_selective``: the kept tensors streamed to the draft's GPU by
+  InstantTensor's ``tensor_filter`` (mode ``selective``; see ``selective.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Generator
+from typing import Any
+
+import torch
+
+from hybrid_draft import checkpoint, policy
+from hybrid_draft.adapter import configs, stats
+
+#: The load formats these loaders are registered under.
+FILTERED = "safetensors_filtered"
+SELECTIVE = policy.SELECTIVE_FORMAT
+_REGISTERED: set[str] = set()
+
+Weights = Generator[tuple[str, torch.Tensor], None, None]
+
+
+def _tqdm(total: int, desc: str, use_tqdm: bool, **kwargs: Any) -> Any:
+    from tqdm.auto import tqdm
+    from vllm.model_executor.model_loader.weight_utils import enable_tqdm
+
+    return tqdm(total=total, desc=desc, mininterval=1.0, disable=not enable_tqdm(use_tqdm),
+                **kwargs)
+
+
+#: How far ahead of the tensor being taken the kernel is asked to read the kept ranges.
+PREFETCH_BYTES = 256 << 20
+
+
+class _Prefetch:
+    """Asks the kernel to start reading the kept byte ranges a window ahead of use.
+
+    Without it every kept tensor is read by page faults on its mapping, a readahead
+    window at a time; with it the kernel reads exactly the kept ranges in large requests,
+    and the mapping's faults find them cached. ``POSIX_FADV_WILLNEED`` only schedules
+    reads: nothing outside the kept ranges is fetched. A no-op where the OS has no fadvise.
+    """
+
+    def __init__(self, path: str, ranges: list[tuple[int, int]]) -> None:
+        self.ranges, self.issued, self.ahead = ranges, 0, 0
+        self.fd = os.open(path, os.O_RDONLY) if hasattr(os, "posix_fadvise") else None
+
+    def before(self, i: int) -> None:
+        """Called before tensor ``i`` is taken: keep the window ahead of it scheduled."""
+        while self.fd is not None and self.issued < len(self.ranges) and (
+                self.issued <= i or self.ahead < PREFETCH_BYTES):
+            start, end = self.ranges[self.issued]
+            os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            self.ahead += end - start
+            self.issued += 1
+        start, end = self.ranges[i]
+        self.ahead -= end - start
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+def lazy_filtered_iterator(selection: checkpoint.Selection, use_tqdm_on_load: bool = True
+                           ) -> Weights:
+    """Memory-map each selected shard and take only its kept tensors, in file order."""
+    from safetensors import safe_open
+
+    with _tqdm(len(selection.files), "Loading the draft's tensors (lazy safetensors, "
+               "filtered)", use_tqdm_on_load, unit="shard") as bar:
+        for path, names in selection.files.items():
+            prefetch = _Prefetch(path, selection.ranges[path])
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for i, name in enumerate(names):
+                        prefetch.before(i)
+                        yield name, f.get_tensor(name)
+            finally:
+                prefetch.close()
+            bar.update(1)
+
+
+def instanttensor_selective_iterator(
+    selection: checkpoint.Selection, device: torch.device, use_tqdm_on_load: bool = True,
+) -> Weights:
+    """Stream exactly the selected tensors to ``device`` with InstantTensor.
+
+    ``process_group=None``: every rank reads its own copy of the (small) draft, which the
+    tensor filter requires; ``copy=True`` keeps tensors valid after the buffer is reused.
+    """
+    import instanttensor
+
+    with (
+        instanttensor.safe_open(
+            list(selection.files), framework="pt", device=device, process_group=None,
+            copy=True, tensor_filter=selection.names, tensor_name_match_mode="exact",
+        ) as f,
+        _tqdm(getattr(f, "total_tensor_size", None) or selection.nbytes,
+              "Loading the draft's tensors using InstantTensor (selective)", use_tqdm_on_load,
+              unit="B", unit_scale=True, unit_divisor=1024) as bar,
+    ):
+        for name, tensor in f.tensors():
+            bar.update(tensor.numel() * tensor.element_size())
+            yield name, tensor
+
+
+@functools.cache
+def _loader_classes() -> dict[str, type]:
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+
+    class SelectedWeightsLoader(DefaultModelLoader):
+        """``DefaultModelLoader`` whose rule-bearing sources are read by a selection."""
+
+        def __init__(self, load_config: Any) -> None:
+            # The base class resolves files and reads rule-less sources as lazy safetensors.
+            super().__init__(configs.lazy_load_config(load_config))
+            self.requested_load_config = load_config
+
+        def _get_weights_iterator(self, source: Any) -> Any:
+            rule = source.is_unused_weight
+            if rule is None or self._encoder_only_lm_prefixes is not None:
+                return super()._get_weights_iterator(source)
+            _, files, use_safetensors, _ = self._prepare_weights(
+                source.model_or_path, source.subfolder, source.revision,
+                source.fall_back_to_pt, source.allow_patterns_overrides)
+            local = self.local_expert_ids
+            selection = checkpoint.select(
+                files, lambda n: rule(n) or should_skip_weight(n, local)) if (
+                use_safetensors) else None
+            if not selection or not selection.files:
+                # Nothing to select from (or nothing kept): vLLM's own path, and its errors.
+                return super()._get_weights_iterator(source)
+            stats.dropped(set(files) - set(selection.files))
+            if self.counter_before_loading_weights == 0.0:
+                self.counter_before_loading_weights = time.perf_counter()
+            weights = self.read(selection)
+            return ((source.prefix + name, tensor) for name, tensor in weights)
+
+        def read(self, selection: checkpoint.Selection) -> Weights:
+            raise NotImplementedError
+
+    class FilteredSafetensorsLoader(SelectedWeightsLoader):
+        """Lazy safetensors that never touch a tensor the draft's rule rejects."""
+
+        def read(self, selection: checkpoint.Selection) -> Weights:
+            return lazy_filtered_iterator(selection, self.load_config.use_tqdm_on_load)
+
+    class SelectiveInstantTensorLoader(SelectedWeightsLoader):
+        """InstantTensor streaming only the draft's tensors onto its GPU."""
+
+        def read(self, selection: checkpoint.Selection) -> Weights:
+            device = torch.device(self.load_config.device
+                                  or get_current_vllm_config().device_config.device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            return instanttensor_selective_iterator(selection, device,
+                                                    self.load_config.use_tqdm_on_load)
+
+    return {FILTERED: FilteredSafetensorsLoader, SELECTIVE: SelectiveInstantTensorLoader}
+
+
+def register(load_format: str) -> None:
+    """Register one of this layer's loaders with vLLM, once per process."""
+    if load_format in _REGISTERED:
+        return
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(load_format)(_loader_classes()[load_format])
+    _REGISTERED.add(load_format)
