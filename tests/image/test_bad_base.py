@@ -65,11 +65,12 @@ def bad_base(base_image: str) -> Iterator[Callable[[str, str], str]]:
 
 
 @pytest.mark.parametrize(("variant", "script", "why"), [
-    ("no-vllm", NO_VLLM,
-     r"FAIL vllm: cannot import vllm\.model_executor\.model_loader: "
-     r"ModuleNotFoundError\(\"No module named 'vllm'\"\)"),
-    ("unknown-get-model", UNKNOWN_GET_MODEL,
-     r"FAIL vllm: [\d.]+, get_model not wrapped: get_model has no parameter load_config"),
+    pytest.param("no-vllm", NO_VLLM,
+                 r"FAIL vllm: cannot import vllm\.model_executor\.model_loader: "
+                 r"ModuleNotFoundError\(\"No module named 'vllm'\"\)", id="no-vllm"),
+    pytest.param("unknown-get-model", UNKNOWN_GET_MODEL,
+                 r"FAIL vllm: [\d.]+, get_model not wrapped: get_model has no parameter "
+                 r"load_config", id="unknown-get-model"),
 ])
 def test_a_bad_base_fails_the_build_at_the_doctor_step(
         variant: str, script: str, why: str, bad_base: Callable[[str, str], str], work: Path,

@@ -26,7 +26,9 @@ def test_build_passes_exactly_the_args_bake_local_passes(image: Built) -> None:
 def test_the_builds_doctor_step_passed(image: Built) -> None:
     """install-layer.sh ends with `hybrid-draft doctor`, in the build, on the base's Python."""
     doctor = [ln for ln in image.log.splitlines() if re.match(r"^(ok  |FAIL) \w+:", ln)]
-    assert [ln.split()[0] for ln in doctor] == ["ok"] * 4, "\n".join(doctor)
+    assert doctor and all(ln.startswith("ok ") for ln in doctor), "\n".join(doctor)
+    checks = {ln.split()[1].rstrip(":") for ln in doctor}
+    assert checks >= {"layer", "config", "vllm", "instanttensor"}, doctor
     assert any(re.search(r"vllm: [\d.]+, vllm\.model_executor\.model_loader\.get_model is "
                          r"wrapped", ln) for ln in doctor), doctor
     assert any("layer: hybrid-draft" in ln and "/opt/venv/bin/python3" in ln for ln in doctor)
