@@ -264,17 +264,17 @@ def up(variables: dict[str, str], *, work: Path, named: dict[str, Path],
                         raise ValueError(f"depends_on condition {condition} is not handled")
                 s.log = result.logs[s.name]
                 s.container = buildah.Container(s.image, f"{s.name}-{os.getpid()}", hosts)
+                s.proc = s.container.start(s.argv, env=s.env, volumes=s.volumes,
+                                           netns=netns, log=s.log)
                 if s is exit_service:
-                    out = s.container.run(s.argv, env=s.env, volumes=s.volumes, netns=netns,
-                                          timeout=exit_timeout)
-                    s.log.write_text(out.stdout + out.stderr)
-                    result.returncode = out.returncode
-                else:
-                    s.proc = s.container.start(s.argv, env=s.env, volumes=s.volumes,
-                                               netns=netns, log=s.log)
-                    if s.health is not None and any(
-                            t.depends_on.get(s.name) == "service_healthy" for t in services):
-                        result.seconds[f"{s.name}_healthy_s"] = wait_healthy(s, netns)
+                    try:
+                        result.returncode = s.proc.wait(timeout=exit_timeout)
+                    except subprocess.TimeoutExpired:
+                        raise TimeoutError(f"service {s.name} still running after "
+                                           f"{exit_timeout:.0f} s:\n{tail(s.log)}") from None
+                elif s.health is not None and any(
+                        t.depends_on.get(s.name) == "service_healthy" for t in services):
+                    result.seconds[f"{s.name}_healthy_s"] = wait_healthy(s, netns)
                 result.seconds[f"{s.name}_done_s"] = time.monotonic() - t0
         finally:
             for s in reversed(services):
