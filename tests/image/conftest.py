@@ -32,6 +32,8 @@ FIGURES: dict[str, Any] = {}
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
     if os.geteuid() != 0:
         pytest.exit("the image test needs root (buildah, debootstrap, ip netns)", returncode=2)
     for tool in ("buildah", "debootstrap", "ip"):
