@@ -33,6 +33,9 @@ for _var in ("INSTANTTENSOR_DRAFT_LOADER", "HYBRID_DRAFT_LOG_LEVEL", "HYBRID_DRA
 from hybrid_draft import synth  # noqa: E402 - after the environment above
 
 REPO = Path(__file__).resolve().parents[1]
+# The image test (scripts/image-test, run after pytest by scripts/test) is a session of its
+# own, with its own conftest: never collected here.
+collect_ignore = ["image"]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

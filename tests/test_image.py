@@ -16,44 +16,26 @@ from typing import Any
 import pytest
 import yaml
 
+from buildfiles import (
+    bake,
+    bake_defaults,
+    compose,
+    dockerfile_args,
+    interpolate,
+    pins,
+    resolved_target,
+)
 from conftest import REPO, Events, Recorder, engine_config, load_target_and_draft
 
 BIN = Path(sys.executable).parent
 
 
-def pins() -> dict[str, str]:
-    out = {}
-    for line in (REPO / "pins.txt").read_text().splitlines():
-        m = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)", line)
-        if m:
-            out[m.group(1)] = m.group(2)
-    return out
-
-
-def interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose/bake-style ``${VAR}`` and ``${VAR:-default}`` (defaults may nest ``${}``)."""
-    pattern = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^${}]*))?\}")
-    while True:
-        new = pattern.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), text)
-        if new == text:
-            return new
-        text = new
-
-
 # --- Dockerfile ----------------------------------------------------------------------------
 
 
-def dockerfile_args() -> dict[str, str | None]:
-    args: dict[str, str | None] = {}
-    for line in (REPO / "Dockerfile").read_text().splitlines():
-        m = re.match(r"^ARG\s+([A-Z_]+)(?:=(\S+))?", line)
-        if m and (m.group(2) is not None or m.group(1) not in args):
-            args[m.group(1)] = m.group(2)
-    return args
-
-
-def test_hadolint_is_clean() -> None:
-    out = subprocess.run([str(BIN / "hadolint"), str(REPO / "Dockerfile")], capture_output=True,
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "docker/vllm-cpu-base.Dockerfile"])
+def test_hadolint_is_clean(dockerfile: str) -> None:
+    out = subprocess.run([str(BIN / "hadolint"), str(REPO / dockerfile)], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -127,44 +109,6 @@ def test_doctor_fails_when_the_hook_is_disabled() -> None:
 # --- docker-bake.hcl -----------------------------------------------------------------------
 
 
-def bake() -> dict[str, Any]:
-    import hcl2
-
-    with open(REPO / "docker-bake.hcl") as f:
-        raw = hcl2.load(f)
-
-    def unquote(v: Any) -> Any:
-        if isinstance(v, str):
-            return v[1:-1] if len(v) >= 2 and v[0] == v[-1] == '"' else v
-        if isinstance(v, list):
-            return [unquote(x) for x in v]
-        if isinstance(v, dict):
-            return {unquote(k): unquote(x) for k, x in v.items() if k != "__is_block__"}
-        return v
-
-    out: dict[str, Any] = {}
-    for kind in ("variable", "group", "target"):
-        out[kind] = {k: v for block in unquote(raw.get(kind, [])) for k, v in block.items()}
-    return out
-
-
-def resolved_target(b: dict[str, Any], name: str) -> dict[str, Any]:
-    target = dict(b["target"][name])
-    merged: dict[str, Any] = {}
-    for parent in target.pop("inherits", []):
-        merged.update(resolved_target(b, parent))
-    merged["args"] = {**merged.get("args", {}), **target.pop("args", {})}
-    merged.update(target)
-    return merged
-
-
-def bake_defaults(b: dict[str, Any]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for _ in range(3):  # defaults may refer to each other
-        env = {k: interpolate(v["default"], env) for k, v in b["variable"].items()}
-    return env
-
-
 def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
     b = bake()
     env = bake_defaults(b)
@@ -195,27 +139,14 @@ def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
 # --- compose.yaml --------------------------------------------------------------------------
 
 
-def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """compose.yaml as Compose resolves it: YAML first, then ``${}`` in string values."""
-    def walk(node: Any) -> Any:
-        if isinstance(node, str):
-            return interpolate(node, env or {})
-        if isinstance(node, list):
-            return [walk(x) for x in node]
-        if isinstance(node, dict):
-            return {walk(k): walk(v) for k, v in node.items()}
-        return node
-
-    return walk(yaml.safe_load((REPO / "compose.yaml").read_text()))
-
-
 def test_compose_file_follows_the_compose_specification(tmp_path: Path) -> None:
     out = subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema",
                           "vendor.compose-spec", str(REPO / "compose.yaml")],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     for env in ({}, {"MODEL_DIR": "/srv/models/DeepSeek-V3", "INSTANTTENSOR_DRAFT_LOADER":
-                     "selective", "HYBRID_DRAFT_CONFIG_FILE": "/etc/custom.toml"}):
+                     "selective", "HYBRID_DRAFT_CONFIG_FILE": "/etc/custom.toml"},
+                {"CHECKPOINT_ARCH": "deepseek_v3", "CHECKPOINT_PRESET": "tiny"}):
         resolved = tmp_path / "resolved.yaml"
         resolved.write_text(yaml.safe_dump(compose(env)))
         out = subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema",
@@ -265,6 +196,22 @@ def test_compose_services() -> None:
     assert "/srv/m:/model:ro" in passthrough["services"]["server"]["volumes"]
     # Unset, the variable is passed as empty, which the layer reads as unset.
     assert server["environment"]["INSTANTTENSOR_DRAFT_LOADER"] == ""
+
+
+def test_compose_checkpoint_variables_choose_the_generated_checkpoint() -> None:
+    """CHECKPOINT_ARCH and CHECKPOINT_PRESET pick what `model` generates (a CPU-servable one
+    for the image test); unset, the GPU default stays Qwen3.5's default preset."""
+    from hybrid_draft import synth
+
+    def generate(env: dict[str, str]) -> list[str]:
+        return compose(env)["services"]["model"]["command"][0].split(" && ")[0].split()
+
+    assert generate({}) == ["hybrid-draft", "make-checkpoint", "/model", "--arch", "qwen3_5",
+                            "--preset", "default", "--if-missing"]
+    chosen = generate({"CHECKPOINT_ARCH": "glm4_moe", "CHECKPOINT_PRESET": "tiny"})
+    assert chosen[3:7] == ["--arch", "glm4_moe", "--preset", "tiny"]
+    assert "qwen3_5" in synth.ARCHITECTURES
+    synth.ARCHITECTURES["qwen3_5"]("default")  # the default names a preset that exists
 
 
 def test_server_command_parses_with_vllms_own_serve_parser(vllm_runtime: Any) -> None:
