@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +171,16 @@ def test_selective_loader_streams_exactly_the_planned_tensors(
     (draft,) = events.decisions("draft")
     assert (draft["reason"], draft["chosen_format"]) == ("explicit_draft_loader",
                                                          "instanttensor_selective")
+
+
+def test_the_fallback_names_no_platform_when_vllm_detects_none(tmp_path: Path) -> None:
+    """Without ``VLLM_TARGET_DEVICE`` on a host without CUDA, vLLM detects no platform (its
+    ``device_type`` is empty): the detail says so instead of ending in ``platform: )``."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    env["VLLM_CACHE_ROOT"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", "from hybrid_draft.adapter.selective import cuda_unavailable;"
+         "print(cuda_unavailable())"],
+        env=env, capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == (
+        "CUDA is not available (vLLM platform: none detected)")

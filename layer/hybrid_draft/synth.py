@@ -205,24 +205,20 @@ def qwen3_5(preset: str = "tiny", **overrides: int) -> Layout:
 
 # --- DeepSeek-V3 (MLA attention, optional MoE and FP8 block scales) -----------------------
 
+_DEEPSEEK_V3_TINY: dict = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+    topk_group=1, first_k_dense_replace=1,
+)
+
 DEEPSEEK_V3_PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
-        topk_group=1, first_k_dense_replace=1,
-    ),
+    "tiny": _DEEPSEEK_V3_TINY,
     # What vLLM's CPU build serves (its end-to-end test, the local CPU image): the tiny
     # shapes with DeepSeek's real MLA ranks, since its CPU MLA attention takes only head
     # sizes (kv_lora_rank + qk_rope_head_dim) 320, 512 and 576.
-    "cpu": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=512,
-        qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
-        topk_group=1, first_k_dense_replace=1,
-    ),
+    "cpu": {**_DEEPSEEK_V3_TINY, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
     # The real DeepSeek-V3/R1 shapes: 61 layers, 256 experts, FP8 with 128x128 scales.
     "full": dict(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432,

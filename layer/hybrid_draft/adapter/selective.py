@@ -46,7 +46,8 @@ def cuda_unavailable(device: Any = None) -> str | None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda() or not torch.cuda.is_available():
-        return f"CUDA is not available (vLLM platform: {current_platform.device_type})"
+        platform = current_platform.device_type or "none detected"
+        return f"CUDA is not available (vLLM platform: {platform})"
     if device is not None and torch.device(device).type != "cuda":
         return f"the draft loads onto {device}, not a CUDA device"
     return None
