@@ -574,14 +574,17 @@ _KIMI_MLA = {"self_attn.q_proj.weight": "NH*(DN+DR),H",
              "self_attn.kv_a_proj_with_mqa.weight": "KR+DR,H",
              "self_attn.kv_a_layernorm.weight": "KR",
              "self_attn.kv_b_proj.weight": "NH*(DN+DV),KR", "self_attn.o_proj.weight": "H,NH*DV"}
-_KIMI_MOE = {"block_sparse_moe.gate.weight": "E,H",
-             "block_sparse_moe.gate.e_score_correction_bias": "E:F32",
-             "block_sparse_moe.experts.{e}.w1.weight": "MI,H",
-             "block_sparse_moe.experts.{e}.w2.weight": "H,MI",
-             "block_sparse_moe.experts.{e}.w3.weight": "MI,H",
-             "block_sparse_moe.shared_experts.gate_proj.weight": "MI,H",
-             "block_sparse_moe.shared_experts.up_proj.weight": "MI,H",
-             "block_sparse_moe.shared_experts.down_proj.weight": "H,MI"}
+# block_sparse_moe experts as Kimi-K3 and MiniMax-M3 name them; only the router's
+# correction bias sits elsewhere (under gate. in Kimi-K3).
+_BLOCK_SPARSE_EXPERTS = {"block_sparse_moe.gate.weight": "E,H",
+                         "block_sparse_moe.experts.{e}.w1.weight": "MI,H",
+                         "block_sparse_moe.experts.{e}.w2.weight": "H,MI",
+                         "block_sparse_moe.experts.{e}.w3.weight": "MI,H",
+                         "block_sparse_moe.shared_experts.gate_proj.weight": "MI,H",
+                         "block_sparse_moe.shared_experts.up_proj.weight": "MI,H",
+                         "block_sparse_moe.shared_experts.down_proj.weight": "H,MI"}
+_KIMI_MOE = {**_BLOCK_SPARSE_EXPERTS,
+             "block_sparse_moe.gate.e_score_correction_bias": "E:F32"}
 _KIMI_RES = {"self_attention_res_norm.weight": "H", "mlp_res_norm.weight": "H"}
 family("kimi_k3", Family(
     "KimiK3MTP", "vLLM's KimiK3MTP loader (no public Kimi-K3 index)",
@@ -624,14 +627,7 @@ _MM3_ATTN = {"self_attn.q_proj.weight": "NH*HD,H", "self_attn.k_proj.weight": "N
              "self_attn.index_k_proj.weight": "HD,H",
              "self_attn.q_norm.weight": "HD", "self_attn.k_norm.weight": "HD",
              "self_attn.index_q_norm.weight": "HD", "self_attn.index_k_norm.weight": "HD"}
-_MM3_MOE = {"block_sparse_moe.gate.weight": "E,H",
-            "block_sparse_moe.e_score_correction_bias": "E:F32",
-            "block_sparse_moe.experts.{e}.w1.weight": "MI,H",
-            "block_sparse_moe.experts.{e}.w2.weight": "H,MI",
-            "block_sparse_moe.experts.{e}.w3.weight": "MI,H",
-            "block_sparse_moe.shared_experts.gate_proj.weight": "MI,H",
-            "block_sparse_moe.shared_experts.up_proj.weight": "MI,H",
-            "block_sparse_moe.shared_experts.down_proj.weight": "H,MI"}
+_MM3_MOE = {**_BLOCK_SPARSE_EXPERTS, "block_sparse_moe.e_score_correction_bias": "E:F32"}
 family("minimax_m3", Family(
     "MiniMaxM3MTP", "MiniMax-M3 bundled checkpoint keys (public loader test) + vLLM",
     config=dict(
