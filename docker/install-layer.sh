@@ -52,4 +52,4 @@ else
 fi
 
 # The layer must be active in this Python, in a fresh interpreter.
-"$PYTHON" -m hybrid_draft.cli doctor
+"$PYTHON" -m hybrid_draft doctor

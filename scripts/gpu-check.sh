@@ -32,7 +32,7 @@ print("instanttensor tensor_filter:",
       "tensor_filter" in inspect.signature(instanttensor.safe_open).parameters)
 PY
 
-python3 -m hybrid_draft.cli bench --size "$SIZE" --runs "$RUNS" --out "$OUT/bench" \
+python3 -m hybrid_draft bench --size "$SIZE" --runs "$RUNS" --out "$OUT/bench" \
     --checkpoint /tmp/hybrid-draft-bench-ckpt \
     --strategies full_pass,limit,it_full,it_selective,lazy_to_gpu \
     --startup-runs 0 --hook-runs 0

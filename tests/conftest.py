@@ -30,7 +30,7 @@ for _var in ("INSTANTTENSOR_DRAFT_LOADER", "HYBRID_DRAFT_LOG_LEVEL", "HYBRID_DRA
              "HYBRID_DRAFT_DISABLE"):
     os.environ.pop(_var, None)
 
-from hybrid_draft import synth  # noqa: E402 - after the environment above
+from hybrid_draft.tools import synth  # noqa: E402 - after the environment above
 
 REPO = Path(__file__).resolve().parents[1]
 # The image test (scripts/image-test, run after pytest by scripts/test) is a session of its

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybrid_draft import synth
+from hybrid_draft.tools import synth
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hybrid_draft import doctor
+from hybrid_draft.tools import doctor
 
 
 def test_a_raising_check_is_one_fail_line_and_the_others_still_run(

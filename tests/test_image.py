@@ -79,7 +79,7 @@ def test_layer_is_active_in_the_test_environment() -> None:
                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    from hybrid_draft import doctor
+    from hybrid_draft.tools import doctor
 
     assert [ln.split()[0] for ln in lines] == ["ok"] * len(doctor.CHECKS)
     assert any("get_model is wrapped" in ln for ln in lines)
@@ -201,7 +201,7 @@ def test_compose_services() -> None:
 def test_compose_checkpoint_variables_choose_the_generated_checkpoint() -> None:
     """CHECKPOINT_ARCH and CHECKPOINT_PRESET pick what `model` generates (a CPU-servable one
     for the image test); unset, the GPU default stays Qwen3.5's default preset."""
-    from hybrid_draft import synth
+    from hybrid_draft.tools import synth
 
     def generate(env: dict[str, str]) -> list[str]:
         return compose(env)["services"]["model"]["command"][0].split(" && ")[0].split()

@@ -65,7 +65,7 @@ def test_bytes_read_come_from_storage(
     the kernel fetched, not a size computed from the files."""
     from vllm.config import set_current_vllm_config
 
-    from hybrid_draft.bench import pagecache
+    from hybrid_draft.tools.bench import pagecache
 
     loaded = load_target_and_draft(engine_config(deepseek))  # leaves the shards cached
     files = [str(p) for p in sorted(deepseek.glob("*.safetensors"))]
@@ -131,7 +131,7 @@ def test_an_invalid_setting_is_a_failed_load(
 
 
 def report(events_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hybrid_draft.cli", "report",
+    return subprocess.run([sys.executable, "-m", "hybrid_draft", "report",
                            str(events_file), *args], capture_output=True, text=True)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_draft import cli, synth
+from hybrid_draft.tools import cli, synth
 
 
 def test_an_unknown_preset_names_the_accepted_ones(capsys: pytest.CaptureFixture[str],

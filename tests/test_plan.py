@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from conftest import Events, Recorder, engine_config, load_target_and_draft
-from hybrid_draft import synth
+from hybrid_draft.tools import synth
 
 pytestmark = pytest.mark.vllm
 
@@ -28,14 +28,14 @@ HOST_FALLBACK = "no_cuda"
 
 def run_plan(model: Path, *flags: str, env: dict[str, str] | None = None
              ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hybrid_draft.cli", "plan", str(model), *flags],
+    return subprocess.run([sys.executable, "-m", "hybrid_draft", "plan", str(model), *flags],
                           capture_output=True, text=True,
                           env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})})
 
 
 def plan_here(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """``hybrid-draft plan`` in this process (vLLM is imported once for all such tests)."""
-    from hybrid_draft import cli
+    from hybrid_draft.tools import cli
 
     capsys.readouterr()
     code = cli.main(["plan", *argv])
@@ -307,12 +307,12 @@ def test_mimo_layout_matches_the_published_index(mimo: Path) -> None:
 def test_plan_mimo_without_remote_code(mimo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``model_type: mimo`` is not one transformers knows and the config names
     ``configuration_mimo.MiMoConfig``: plan reads it as a plain config instead."""
-    from hybrid_draft.adapter import inspect
+    from hybrid_draft.adapter import drafts
 
     result = plan_json(capsys, mimo)
     assert result["draft_class"] == "MiMoMTP"
     # The class's rule, whoever ships it (vLLM 0.33 has none; hybrid-draft may add one).
-    draft = inspect.mtp_draft(str(mimo))
+    draft = drafts.mtp_draft(str(mimo))
     contents = shard_contents(mimo)
     assert rows(result) == expected(contents, draft.is_unused, draft.vllm_rule)
     codes = [w["code"] for w in result["warnings"]]

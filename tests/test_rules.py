@@ -18,7 +18,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from conftest import Events, Recorder, engine_config, load_target_and_draft
-from hybrid_draft import checkpoint, synth
+from hybrid_draft import checkpoint
+from hybrid_draft.tools import synth
 from mtp_layouts import FAMILIES, STANDINS, Family, layout
 
 pytestmark = pytest.mark.vllm
@@ -434,8 +435,8 @@ def test_rules_lists_every_draft_class_vllm_registers(
 
     from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
 
-    from hybrid_draft import cli
     from hybrid_draft.adapter import rules
+    from hybrid_draft.tools import cli
 
     assert cli.main(["rules", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -464,7 +465,7 @@ def test_rules_lists_every_draft_class_vllm_registers(
 def test_doctor_says_how_many_mtp_classes_prune_their_checkpoint(vllm_runtime: Any) -> None:
     import re
 
-    from hybrid_draft import doctor
+    from hybrid_draft.tools import doctor
 
     ok, line = doctor.check_rules()
     assert ok, line

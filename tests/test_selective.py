@@ -72,8 +72,8 @@ def test_an_empty_plan_is_a_fallback_reason(deepseek: Path, ckpt_root: Path) -> 
     """A draft checkpoint holding nothing the draft class loads (no MTP layer, no embedding)."""
     from vllm.config import set_current_vllm_config
 
-    from hybrid_draft import synth
-    from hybrid_draft.adapter import configs, selective
+    from hybrid_draft.adapter import calls, selective
+    from hybrid_draft.tools import synth
 
     layout = synth.deepseek_v3("tiny", moe=False)
     body = [t for t in layout.tensors
@@ -85,7 +85,7 @@ def test_an_empty_plan_is_a_fallback_reason(deepseek: Path, ckpt_root: Path) -> 
     config = engine_config(deepseek, speculative_config=spec)
     draft = config.speculative_config.draft_model_config
     with set_current_vllm_config(config):
-        blocker, plan = selective.preflight(configs.Call.resolve(config, draft))
+        blocker, plan = selective.preflight(calls.Call.resolve(config, draft))
     assert blocker == ("empty_plan", "the DeepSeekMTP rule keeps none of the checkpoint's "
                                      "tensors")
     assert plan is None

@@ -130,7 +130,7 @@ def test_config_command(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[draft]\nmode = "selective"\n')
     env = {"PATH": "", "HYBRID_DRAFT_CONFIG": str(path), "HYBRID_DRAFT_LOG_LEVEL": "warning"}
-    cli = [sys.executable, "-m", "hybrid_draft.cli", "config"]
+    cli = [sys.executable, "-m", "hybrid_draft", "config"]
     out = subprocess.run([*cli, "--json"], env=env, capture_output=True, text=True, check=True)
     data = json.loads(out.stdout)
     assert data["settings"]["mode"] == {"value": "selective", "source": "file",

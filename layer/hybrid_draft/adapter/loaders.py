@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hybrid_draft import checkpoint, policy
-from hybrid_draft.adapter import configs, stats
+from hybrid_draft.adapter import calls, stats
 
 #: The load formats these loaders are registered under.
 FILTERED = "safetensors_filtered"
@@ -133,7 +133,7 @@ def _loader_classes() -> dict[str, type]:
 
         def __init__(self, load_config: Any) -> None:
             # The base class resolves files and reads rule-less sources as lazy safetensors.
-            super().__init__(configs.lazy_load_config(load_config))
+            super().__init__(calls.lazy_load_config(load_config))
             self.requested_load_config = load_config
 
         def _get_weights_iterator(self, source: Any) -> Any:

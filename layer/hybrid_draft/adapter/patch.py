@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybrid_draft import __version__, policy, settings
-from hybrid_draft.adapter import configs, stats
+from hybrid_draft.adapter import calls, stats
 from hybrid_draft.events import emit
 
 MODULE = "vllm.model_executor.model_loader"
@@ -109,7 +109,7 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
-                call = configs.Call.resolve(bound.arguments["vllm_config"],
+                call = calls.Call.resolve(bound.arguments["vllm_config"],
                                             bound.arguments.get("model_config"),
                                             bound.arguments.get("load_config"))
                 decide(call, outcome)
@@ -164,7 +164,7 @@ def _current_settings() -> settings.Settings:
         raise
 
 
-def decide(call: configs.Call, outcome: Outcome) -> None:
+def decide(call: calls.Call, outcome: Outcome) -> None:
     """Decide this call, emit its decision, and fill ``outcome`` for the load."""
     request = call.request()
     outcome.role = request.role
@@ -200,7 +200,7 @@ def decide(call: configs.Call, outcome: Outcome) -> None:
     _report(current, request, decision, extra)
 
 
-def _switched_load_config(call: configs.Call, chosen: str, rule: str | None
+def _switched_load_config(call: calls.Call, chosen: str, rule: str | None
                           ) -> tuple[Any, bool]:
     """The draft's load config for ``chosen``, and whether its tensors are filtered.
 
@@ -210,13 +210,13 @@ def _switched_load_config(call: configs.Call, chosen: str, rule: str | None
     from hybrid_draft.adapter import loaders
 
     if chosen == policy.SAFETENSORS and rule in (None, "none"):
-        return configs.lazy_load_config(call.load_config), False
+        return calls.lazy_load_config(call.load_config), False
     load_format = loaders.FILTERED if chosen == policy.SAFETENSORS else chosen
     loaders.register(load_format)
-    return configs.loader_load_config(call.load_config, load_format), True
+    return calls.loader_load_config(call.load_config, load_format), True
 
 
-def _install_rule(call: configs.Call) -> str | None:
+def _install_rule(call: calls.Call) -> str | None:
     """Give the draft's class our pruning rule if it lacks one; say whose rule applies."""
     try:
         from hybrid_draft.adapter import rules

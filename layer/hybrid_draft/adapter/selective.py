@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hybrid_draft import checkpoint
-from hybrid_draft.adapter import configs, rules
+from hybrid_draft.adapter import calls, rules
 
 #: ``fallback`` codes of a ``selective_fallback`` decision.
 FALLBACKS = ("no_rule", "no_safetensors", "empty_plan", "no_cuda", "no_tensor_filter",
@@ -59,7 +59,7 @@ def draft_class(model_config: Any) -> type:
     return get_model_architecture(model_config)[0]
 
 
-def preflight(call: configs.Call) -> tuple[Blocker | None, checkpoint.Selection | None]:
+def preflight(call: calls.Call) -> tuple[Blocker | None, checkpoint.Selection | None]:
     """Whether a selective draft load can run here: ((code, why not), None) or (None, plan).
 
     The plan comes first (a rule and the shard headers): it holds on any host, so a draft
@@ -76,7 +76,7 @@ def preflight(call: configs.Call) -> tuple[Blocker | None, checkpoint.Selection 
                            "tensors with"), None
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    lazy = configs.lazy_load_config(call.load_config)
+    lazy = calls.lazy_load_config(call.load_config)
     _, files, use_safetensors, _ = DefaultModelLoader(lazy)._prepare_weights(
         call.model_config.model, None, call.model_config.revision, False, None)
     if not use_safetensors:

@@ -57,7 +57,7 @@ def _dims(hidden: int) -> dict[str, int]:
 
 def bench_layout(size_bytes: int) -> Any:
     """A DeepSeek-V3-style layout of about ``size_bytes``: the widest that has 8+ layers."""
-    from hybrid_draft import synth
+    from hybrid_draft.tools import synth
 
     for hidden in (4096, 2048, 1024, 512, 256):
         dims = _dims(hidden)
@@ -71,7 +71,7 @@ def bench_layout(size_bytes: int) -> Any:
 
 def prepare_checkpoint(directory: Path, size_gib: float) -> Path:
     """Write the checkpoint unless one of the same size and layout version is there."""
-    from hybrid_draft import synth
+    from hybrid_draft.tools import synth
 
     stamp = directory / "bench-layout.json"
     want = {"size_gib": size_gib, "version": LAYOUT_VERSION}
@@ -101,13 +101,13 @@ def vllm_available() -> bool:
 
 def draft_plan(directory: Path) -> dict[str, Any]:
     """The draft's tensors by vLLM's draft class and rule (or, without vLLM, the layout's)."""
-    from hybrid_draft import checkpoint, plan
+    from hybrid_draft import checkpoint, planning
 
     shards = checkpoint.read_checkpoint(directory)
     if vllm_available():
-        from hybrid_draft.adapter import inspect
+        from hybrid_draft.adapter import drafts
 
-        draft = inspect.mtp_draft(str(directory))
+        draft = drafts.mtp_draft(str(directory))
         if draft.is_unused is None:
             raise SystemExit(f"{directory}: the draft class {draft.draft_class} has no rule")
         unused, draft_class, source = draft.is_unused, draft.draft_class, draft.rule_source
@@ -115,7 +115,7 @@ def draft_plan(directory: Path) -> dict[str, Any]:
         wanted = set(json.loads((directory / DRAFT_NAMES).read_text()))
         unused = lambda name: name not in wanted  # noqa: E731
         draft_class, source = "DeepSeekMTP", "layout"
-    reads = plan.modes(shards, unused, None)
+    reads = planning.modes(shards, unused, None)
     kept = [(s, t) for s in shards for t in s.tensors if not unused(t.name)]
     ranges = [(str(s.path), t.start, t.end, t.name) for s, t in kept]
     meta = {t.name: (t.dtype, list(t.shape)) for _, t in kept}
@@ -145,7 +145,7 @@ def run_strategy(name: str, shared: dict[str, Any], runs: int) -> dict[str, Any]
                 "result_file": os.path.join(tmp, "result.json")}
         spec_file = os.path.join(tmp, "spec.json")
         Path(spec_file).write_text(json.dumps(spec))
-        subprocess.run([sys.executable, "-m", "hybrid_draft.bench.strategies", spec_file],
+        subprocess.run([sys.executable, "-m", "hybrid_draft.tools.bench.strategies", spec_file],
                        check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(spec["result_file"]).read_text())
 
@@ -248,8 +248,8 @@ def machine() -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from hybrid_draft.bench import startup
-    from hybrid_draft.bench.strategies import CPU_STRATEGIES, GPU_STRATEGIES
+    from hybrid_draft.tools.bench import startup
+    from hybrid_draft.tools.bench.strategies import CPU_STRATEGIES, GPU_STRATEGIES
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_draft import policy, report
+from hybrid_draft import policy
+from hybrid_draft.tools import report
 
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 PROMPTS = ("The quick brown fox", "Speculative decoding is", "In a hybrid loader,")

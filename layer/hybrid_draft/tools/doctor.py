@@ -97,9 +97,9 @@ def check_config() -> Check:
 
 def check_rules() -> Check:
     try:
-        from hybrid_draft.adapter import inspect
+        from hybrid_draft.adapter import drafts
 
-        return True, f"rules: {inspect.rules_summary(inspect.draft_classes(mtp_only=True))}"
+        return True, f"rules: {drafts.rules_summary(drafts.draft_classes(mtp_only=True))}"
     except Exception as exc:  # the registry's shape changed: report it, never crash
         return False, f"rules: cannot list vLLM's draft classes: {exc!r}"
 

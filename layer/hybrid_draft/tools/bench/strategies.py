@@ -1,6 +1,6 @@
 """The draft-load strategies the benchmark times, each run cold in a worker process.
 
-``python -m hybrid_draft.bench.strategies SPEC.json`` runs one strategy ``runs`` times and
+``python -m hybrid_draft.tools.bench.strategies SPEC.json`` runs one strategy ``runs`` times and
 writes one JSON object to the spec's ``result_file``. Before every run each shard is
 evicted from the page cache and ``mincore`` confirms it; a run reports wall seconds, bytes
 read from storage (``/proc/self/io``) and the checkpoint pages resident afterwards; the
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hybrid_draft.bench import pagecache
+from hybrid_draft.tools.bench import pagecache
 
 CHUNK = 64 << 20
 CPU_STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "auto", "selective", "limit")
@@ -88,7 +88,7 @@ def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]
 
         from vllm.config.load import LoadConfig
 
-        from hybrid_draft.adapter import inspect, loaders, selective
+        from hybrid_draft.adapter import drafts, loaders, selective
 
         if load_format == loaders.SELECTIVE and selective.cuda_unavailable() is not None:
             spec["ran"] = f"auto ({selective.cuda_unavailable()})"
@@ -97,7 +97,7 @@ def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]
             spec["ran"] = load_format
             fmt, device = load_format, ("cpu" if load_format == loaders.FILTERED
                                         else spec["device"])
-        rule = inspect.mtp_draft(spec["model_dir"]).is_unused
+        rule = drafts.mtp_draft(spec["model_dir"]).is_unused
         if rule is None:
             raise SystemExit(f"{spec['model_dir']}: the draft class has no rule")
         loader = loaders._loader_classes()[fmt](LoadConfig(load_format=fmt, device=device,

@@ -28,61 +28,21 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _doctor(_args: argparse.Namespace) -> int:
-    from hybrid_draft import doctor
+    from hybrid_draft.tools import doctor
 
     return doctor.run()
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import gc
+    from hybrid_draft.tools import plan
 
-    # 92,000 header entries in a process holding vLLM: the cyclic GC would rescan the heap
-    # many times over (it doubles the plan's time); planning needs none.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _plan_checkpoint(args)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _plan_checkpoint(args: argparse.Namespace) -> int:
-    from hybrid_draft import checkpoint, plan
-
-    try:
-        shards = checkpoint.read_checkpoint(args.model_dir)
-    except (OSError, checkpoint.CheckpointError) as exc:
-        print(f"hybrid-draft plan: {exc}", file=sys.stderr)
-        return 2
-    from hybrid_draft.adapter import checks, inspect
-
-    try:
-        draft = inspect.mtp_draft(args.model_dir, trust_remote_code=args.trust_remote_code)
-    except inspect.PlanError as exc:
-        print(f"hybrid-draft plan: {exc}", file=sys.stderr)
-        return 2
-    try:  # a rule reads the config: one that lacks what it needs fails here
-        is_unused = plan.evaluated(shards, draft.is_unused)
-        vllm_rule = (is_unused if draft.vllm_rule is draft.is_unused
-                     else plan.evaluated(shards, draft.vllm_rule))
-    except Exception as exc:
-        print(f"hybrid-draft plan: {args.model_dir}: the {draft.draft_class} weight rule "
-              f"fails on this config: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    reads = plan.modes(shards, is_unused, vllm_rule, checks.selective_host_blocker(),
-                       draft_class=draft.draft_class or "draft")
-    found = plan.warnings(shards, draft.draft_class, is_unused, draft.mtp_layers, draft.notes)
-    result = plan.report(args.model_dir, draft.draft_class, draft.rule_source, shards, reads,
-                         found)
-    print(json.dumps(result, indent=2) if args.json else plan.table(result))
-    return 0
+    return plan.run(args)
 
 
 def _rules(args: argparse.Namespace) -> int:
-    from hybrid_draft.adapter import inspect, patch
+    from hybrid_draft.adapter import drafts, patch
 
-    classes = inspect.draft_classes()
+    classes = drafts.draft_classes()
     if args.json:
         print(json.dumps({"vllm_version": patch.vllm_version(), "classes": classes},
                          indent=2))
@@ -92,14 +52,14 @@ def _rules(args: argparse.Namespace) -> int:
     for c in classes:
         print(f"{c['architecture']:<{width}}  {c['class']:<{cls_width}}  {c['kind']:<10}  "
               f"{c['rule']:<12}  {c['detail']}")
-    print(inspect.rules_summary(classes))
+    print(drafts.rules_summary(classes))
     return 0
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hybrid_draft import synth
+    from hybrid_draft.tools import synth
 
     out = Path(args.out_dir)
     if args.if_missing and synth.is_complete(out):
@@ -124,13 +84,13 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _smoke(args: argparse.Namespace) -> int:
-    from hybrid_draft import smoke
+    from hybrid_draft.tools import smoke
 
     return smoke.main(args)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from hybrid_draft import report
+    from hybrid_draft.tools import report
 
     try:
         with open(args.events_file, encoding="utf-8", errors="replace") as f:
@@ -144,7 +104,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from hybrid_draft.bench import run
+    from hybrid_draft.tools.bench import run
 
     return run.main(args)
 
@@ -173,7 +133,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=_rules)
 
-    from hybrid_draft import synth  # stdlib only: cheap enough for every command
+    from hybrid_draft.tools import synth  # stdlib only: cheap enough for every command
 
     m = sub.add_parser("make-checkpoint", help="write a random-weight MTP checkpoint")
     m.add_argument("out_dir")
@@ -195,7 +155,7 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("smoke", help="check a running server: models, completions, "
                                      "speculative metrics and the layer's events")
-    from hybrid_draft import smoke
+    from hybrid_draft.tools import smoke
 
     smoke.add_arguments(s)
     s.set_defaults(func=_smoke)
@@ -207,7 +167,7 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_report)
 
     b = sub.add_parser("bench", help="the draft-load benchmark (CPU; GPU strategies with CUDA)")
-    from hybrid_draft.bench import run
+    from hybrid_draft.tools.bench import run
 
     run.add_arguments(b)
     b.set_defaults(func=_bench)
