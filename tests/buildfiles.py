@@ -87,8 +87,9 @@ def bake_defaults(b: dict[str, Any], env: dict[str, str] | None = None) -> dict[
     env = env or {}
     values: dict[str, str] = {}
     for _ in range(3):
-        values = {k: env.get(k) or interpolate(v["default"], values)
-                  for k, v in b["variable"].items()}
+        values = {
+            k: env.get(k) or interpolate(v["default"], values) for k, v in b["variable"].items()
+        }
     return values
 
 
@@ -108,6 +109,7 @@ def bake_tags(target: str = "local", env: dict[str, str] | None = None) -> list[
 
 def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
     """compose.yaml as Compose resolves it: YAML first, then ``${}`` in string values."""
+
     def walk(node: Any) -> Any:
         if isinstance(node, str):
             return interpolate(node, env or {})

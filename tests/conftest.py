@@ -26,8 +26,12 @@ _SESSION_TMP = Path(tempfile.mkdtemp(prefix="hybrid-draft-tests-"))
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ.setdefault("VLLM_CACHE_ROOT", str(_SESSION_TMP / "vllm-cache"))
 os.environ["HYBRID_DRAFT_CONFIG"] = str(_SESSION_TMP / "absent.toml")
-for _var in ("INSTANTTENSOR_DRAFT_LOADER", "HYBRID_DRAFT_LOG_LEVEL", "HYBRID_DRAFT_EVENTS_FILE",
-             "HYBRID_DRAFT_DISABLE"):
+for _var in (
+    "INSTANTTENSOR_DRAFT_LOADER",
+    "HYBRID_DRAFT_LOG_LEVEL",
+    "HYBRID_DRAFT_EVENTS_FILE",
+    "HYBRID_DRAFT_DISABLE",
+):
     os.environ.pop(_var, None)
 
 from hybrid_draft.tools import synth  # noqa: E402 - after the environment above
@@ -55,8 +59,9 @@ def ckpt_root() -> Path:
 def _write(root: Path, name: str, layout: synth.Layout, **shard_kw: Any) -> Path:
     out = root / name
     if not (out / "config.json").exists():
-        synth.write_checkpoint(out, layout, synth.shard(layout, **shard_kw),
-                               seed=zlib.crc32(name.encode()) % 1000)
+        synth.write_checkpoint(
+            out, layout, synth.shard(layout, **shard_kw), seed=zlib.crc32(name.encode()) % 1000
+        )
     return out
 
 
@@ -78,8 +83,13 @@ def qwen35_copy(qwen35: Path, ckpt_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def deepseek(ckpt_root: Path) -> Path:
     """DeepSeek-V3 with MLA, no MoE, one MTP layer in a shard of its own."""
-    return _write(ckpt_root, "deepseek", synth.deepseek_v3("tiny", moe=False), num_shards=3,
-                  mtp_own_shard=True)
+    return _write(
+        ckpt_root,
+        "deepseek",
+        synth.deepseek_v3("tiny", moe=False),
+        num_shards=3,
+        mtp_own_shard=True,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -91,8 +101,10 @@ def glm(ckpt_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_pair(ckpt_root: Path) -> tuple[Path, Path]:
     """Two dense Qwen3 checkpoints: a target and a standalone draft (``draft_model``)."""
-    return (_write(ckpt_root, "qwen3-target", synth.qwen3("tiny"), num_shards=2),
-            _write(ckpt_root, "qwen3-draft", synth.qwen3("tiny"), num_shards=2))
+    return (
+        _write(ckpt_root, "qwen3-target", synth.qwen3("tiny"), num_shards=2),
+        _write(ckpt_root, "qwen3-draft", synth.qwen3("tiny"), num_shards=2),
+    )
 
 
 # --- events ------------------------------------------------------------------------------
@@ -149,8 +161,13 @@ def vllm_runtime() -> Any:
     return loader
 
 
-def engine_config(model: str | Path, *, load_format: str = "instanttensor",
-                  speculative_config: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+def engine_config(
+    model: str | Path,
+    *,
+    load_format: str = "instanttensor",
+    speculative_config: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
     """The real ``EngineArgs(...).create_engine_config()`` for a tiny CPU model."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -161,8 +178,13 @@ def engine_config(model: str | Path, *, load_format: str = "instanttensor",
         spec.setdefault("attention_backend", "CPU_MLA")
     kwargs.setdefault("dtype", "float32")
     return EngineArgs(
-        model=str(model), load_format=load_format, speculative_config=spec,
-        skip_tokenizer_init=True, max_model_len=128, enforce_eager=True, **kwargs,
+        model=str(model),
+        load_format=load_format,
+        speculative_config=spec,
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        enforce_eager=True,
+        **kwargs,
     ).create_engine_config()
 
 
@@ -207,7 +229,8 @@ def load_target_and_draft(config: Any, route: str = "eagle") -> Loaded:
             )
 
             draft = StandaloneARSpeculator(config, torch.device("cpu")).load_draft_model(
-                target, set())
+                target, set()
+            )
         else:
             raise ValueError(f"route={route!r}")
     return Loaded(config, target, draft)
@@ -239,13 +262,23 @@ def instanttensor_standin(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) ->
     real_instanttensor = default_loader.instanttensor_weights_iterator
     recorder = Recorder()
 
-    def standin(hf_weights_files: list[str], use_tqdm_on_load: bool,
-                local_expert_ids: Any = None, **kwargs: Any) -> Iterator[Any]:
-        recorder.calls.append({"files": sorted(Path(f).name for f in hf_weights_files),
-                               "local_expert_ids": local_expert_ids, **kwargs})
+    def standin(
+        hf_weights_files: list[str],
+        use_tqdm_on_load: bool,
+        local_expert_ids: Any = None,
+        **kwargs: Any,
+    ) -> Iterator[Any]:
+        recorder.calls.append(
+            {
+                "files": sorted(Path(f).name for f in hf_weights_files),
+                "local_expert_ids": local_expert_ids,
+                **kwargs,
+            }
+        )
         if recorder.real:
-            return real_instanttensor(hf_weights_files, use_tqdm_on_load, local_expert_ids,
-                                      **kwargs)
+            return real_instanttensor(
+                hf_weights_files, use_tqdm_on_load, local_expert_ids, **kwargs
+            )
         return real_lazy(hf_weights_files, use_tqdm_on_load, "lazy")
 
     monkeypatch.setattr(default_loader, "instanttensor_weights_iterator", standin)
@@ -261,12 +294,20 @@ def lazy_spy(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
     real = default_loader.safetensors_weights_iterator
     recorder = Recorder()
 
-    def spy(hf_weights_files: list[str], use_tqdm_on_load: bool,
-            safetensors_load_strategy: str | None = None, *args: Any, **kwargs: Any) -> Any:
-        recorder.calls.append({"files": sorted(Path(f).name for f in hf_weights_files),
-                               "strategy": safetensors_load_strategy})
-        return real(hf_weights_files, use_tqdm_on_load, safetensors_load_strategy, *args,
-                    **kwargs)
+    def spy(
+        hf_weights_files: list[str],
+        use_tqdm_on_load: bool,
+        safetensors_load_strategy: str | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        recorder.calls.append(
+            {
+                "files": sorted(Path(f).name for f in hf_weights_files),
+                "strategy": safetensors_load_strategy,
+            }
+        )
+        return real(hf_weights_files, use_tqdm_on_load, safetensors_load_strategy, *args, **kwargs)
 
     monkeypatch.setattr(default_loader, "safetensors_weights_iterator", spy)
     return recorder

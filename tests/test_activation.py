@@ -16,11 +16,17 @@ import pytest
 SITE = Path(sysconfig.get_paths()["purelib"])
 
 
-def python(code: str, *, env: dict[str, str] | None = None, check: bool = True,
-           args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+def python(
+    code: str, *, env: dict[str, str] | None = None, check: bool = True, args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
-    return subprocess.run([sys.executable, *args, "-c", textwrap.dedent(code)],
-                          capture_output=True, text=True, env=full_env, check=check)
+    return subprocess.run(
+        [sys.executable, *args, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        check=check,
+    )
 
 
 def events_in(stderr: str) -> list[dict]:
@@ -51,7 +57,8 @@ def test_plain_interpreter_start_imports_nothing_heavy() -> None:
 
 
 def test_vllm_model_loader_import_wraps_get_model_even_with_a_bad_config() -> None:
-    out = python("""
+    out = python(
+        """
         import inspect
         import vllm.model_executor.model_loader as loader
         from vllm.v1.spec_decode import llm_base_proposer, draft_model
@@ -61,9 +68,18 @@ def test_vllm_model_loader_import_wraps_get_model_even_with_a_bad_config() -> No
               inspect.signature(gm) == inspect.signature(original),
               llm_base_proposer.get_model is gm, draft_model.get_model is gm,
               getattr(original, '__hybrid_draft_wrapped__', False))
-    """, env={"INSTANTTENSOR_DRAFT_LOADER": "bogus"})  # an invalid config breaks no import
-    assert out.stdout.split() == ["True", "get_model", "vllm.model_executor.model_loader",
-                                  "True", "True", "True", "False"]
+    """,
+        env={"INSTANTTENSOR_DRAFT_LOADER": "bogus"},
+    )  # an invalid config breaks no import
+    assert out.stdout.split() == [
+        "True",
+        "get_model",
+        "vllm.model_executor.model_loader",
+        "True",
+        "True",
+        "True",
+        "False",
+    ]
     kinds = [e["event"] for e in events_in(out.stderr)]
     assert kinds == ["hybrid_draft.activated", "hybrid_draft.patched"]
     patched = events_in(out.stderr)[1]
@@ -73,7 +89,8 @@ def test_vllm_model_loader_import_wraps_get_model_even_with_a_bad_config() -> No
 
 def test_spawned_and_forked_children_are_patched(tmp_path: Path) -> None:
     script = tmp_path / "children.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import multiprocessing as mp
 
         def child(queue):
@@ -88,9 +105,15 @@ def test_spawned_and_forked_children_are_patched(tmp_path: Path) -> None:
                 p.start()
                 print(method, queue.get(timeout=300))
                 p.join()
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         check=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )
     assert out.stdout.split() == ["spawn", "True", "fork", "True"]
 
 
@@ -116,11 +139,14 @@ def test_a_failing_layer_leaves_vllm_working(tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "structlog.py").write_text("raise ImportError('structlog is broken here')\n")
-    out = python("""
+    out = python(
+        """
         import vllm.model_executor.model_loader as loader
         print(callable(loader.get_model),
               getattr(loader.get_model, '__hybrid_draft_wrapped__', False))
-    """, env={"PYTHONPATH": str(broken)})
+    """,
+        env={"PYTHONPATH": str(broken)},
+    )
     assert out.stdout.split() == ["True", "False"]
     (skipped,) = events_in(out.stderr)
     assert skipped["event"] == "hybrid_draft.patch_skipped"
@@ -129,7 +155,8 @@ def test_a_failing_layer_leaves_vllm_working(tmp_path: Path) -> None:
 
 
 def test_disable_variable_and_late_install() -> None:
-    out = python("""
+    out = python(
+        """
         import os
         import vllm.model_executor.model_loader as loader
         before = getattr(loader.get_model, '__hybrid_draft_wrapped__', False)
@@ -137,7 +164,9 @@ def test_disable_variable_and_late_install() -> None:
         import hybrid_draft._bootstrap as b
         b.install()                          # vLLM already imported: patched on the spot
         print(before, loader.get_model.__hybrid_draft_wrapped__)
-    """, env={"HYBRID_DRAFT_DISABLE": "1"})
+    """,
+        env={"HYBRID_DRAFT_DISABLE": "1"},
+    )
     assert out.stdout.split() == ["False", "True"]
 
 
@@ -159,8 +188,10 @@ def test_unknown_get_model_shape_is_left_untouched(events) -> None:
     skipped = events.named("hybrid_draft.patch_skipped")
     assert len(skipped) == 1
     assert skipped[0]["reason"] == "get_model has no parameter model_config, load_config"
-    assert [e["event"] for e in events.all()] == ["hybrid_draft.activated",
-                                                 "hybrid_draft.patch_skipped"]
+    assert [e["event"] for e in events.all()] == [
+        "hybrid_draft.activated",
+        "hybrid_draft.patch_skipped",
+    ]
 
 
 @pytest.mark.parametrize("module_text", ["", "get_model = 42\n"])
@@ -171,7 +202,8 @@ def test_missing_get_model_is_skipped(module_text: str, events) -> None:
     exec(module_text, module.__dict__)
     patch.on_model_loader(module)
     assert events.named("hybrid_draft.patch_skipped")[0]["reason"].endswith(
-        "has no callable get_model")
+        "has no callable get_model"
+    )
 
 
 def test_a_fault_in_the_layer_lets_vllm_load_as_asked(events) -> None:
@@ -179,8 +211,13 @@ def test_a_fault_in_the_layer_lets_vllm_load_as_asked(events) -> None:
 
     calls = []
 
-    def get_model(*, vllm_config: object, model_config: object = None, prefix: str = "",
-                  load_config: object = None) -> str:
+    def get_model(
+        *,
+        vllm_config: object,
+        model_config: object = None,
+        prefix: str = "",
+        load_config: object = None,
+    ) -> str:
         calls.append((vllm_config, model_config, load_config))
         return "model"
 
@@ -188,6 +225,9 @@ def test_a_fault_in_the_layer_lets_vllm_load_as_asked(events) -> None:
     assert calls == [("not a VllmConfig", None, None)]
     (decision,) = events.named("hybrid_draft.decision")
     assert (decision["action"], decision["reason"], decision["level"]) == (
-        "kept", "layer_error", "error")
+        "kept",
+        "layer_error",
+        "error",
+    )
     assert set(patch.DECISION_FIELDS) <= decision.keys() and decision["role"] is None
     assert decision["detail"].startswith("AttributeError:")

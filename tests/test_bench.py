@@ -19,9 +19,26 @@ STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "auto", "selective", "limit")
 def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, "-m", "hybrid_draft", "bench", "--size", "0.05", "--runs", "2",
-         "--out", str(out), "--startup-runs", "3", "--hook-runs", "1"],
-        capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+        [
+            sys.executable,
+            "-m",
+            "hybrid_draft",
+            "bench",
+            "--size",
+            "0.05",
+            "--runs",
+            "2",
+            "--out",
+            str(out),
+            "--startup-runs",
+            "3",
+            "--hook-runs",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -54,9 +71,28 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
 
     # A second run reuses the checkpoint instead of writing it again.
     again = subprocess.run(
-        [sys.executable, "-m", "hybrid_draft", "bench", "--size", "0.05", "--runs", "1",
-         "--out", str(out), "--strategies", "limit", "--startup-runs", "0", "--hook-runs", "0"],
-        capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+        [
+            sys.executable,
+            "-m",
+            "hybrid_draft",
+            "bench",
+            "--size",
+            "0.05",
+            "--runs",
+            "1",
+            "--out",
+            str(out),
+            "--strategies",
+            "limit",
+            "--startup-runs",
+            "0",
+            "--hook-runs",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "writing a" not in again.stdout
     assert list(json.loads((out / "bench.json").read_text())["strategies"]) == ["limit"]

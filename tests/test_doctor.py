@@ -16,7 +16,8 @@ from hybrid_draft.tools import doctor
 
 
 def test_a_raising_check_is_one_fail_line_and_the_others_still_run(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     def check_vllm() -> doctor.Check:
         raise RuntimeError("operator torchvision::nms does not exist\n(a second line)")
@@ -42,22 +43,21 @@ def test_a_raising_check_is_one_fail_line_and_the_others_still_run(
     assert ran and "Traceback" not in out.out + out.err
 
 
-def test_every_check_passing_exits_zero(monkeypatch: pytest.MonkeyPatch,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_check_passing_exits_zero(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(doctor, "CHECKS", [lambda: (True, "a: fine"), lambda: (True, "b: fine")])
     assert doctor.run() == 0
     assert capsys.readouterr().out.splitlines() == ["ok   a: fine", "ok   b: fine"]
-
-
-
 
 
 @pytest.mark.vllm
 def test_selective_falls_back_on_this_host_without_cuda(vllm_runtime: Any) -> None:
     ok, line = doctor.check_selective()
     assert ok
-    assert line == ("selective: falls back to lazy safetensors here: CUDA is not available "
-                    "(vLLM platform: cpu)")
+    assert line == (
+        "selective: falls back to lazy safetensors here: CUDA is not available (vLLM platform: cpu)"
+    )
 
 
 def _old_safe_open(filenames: Any, framework: str = "pt", device: Any = None) -> Any:
@@ -67,7 +67,8 @@ def _old_safe_open(filenames: Any, framework: str = "pt", device: Any = None) ->
 
 @pytest.mark.vllm
 def test_selective_is_available_only_with_cuda_and_a_tensor_filter(
-    vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch,
+    vllm_runtime: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import instanttensor
 
@@ -76,7 +77,9 @@ def test_selective_is_available_only_with_cuda_and_a_tensor_filter(
     # As on a CUDA host (this one has none): vLLM on CUDA, the draft's device a CUDA one.
     monkeypatch.setattr(selective, "cuda_unavailable", lambda device=None: None)
     assert doctor.check_selective() == (
-        True, "selective: available (CUDA and InstantTensor's tensor_filter)")
+        True,
+        "selective: available (CUDA and InstantTensor's tensor_filter)",
+    )
 
     monkeypatch.setattr(instanttensor, "safe_open", _old_safe_open)
     ok, line = doctor.check_selective()

@@ -14,15 +14,22 @@ from hybrid_draft import events
 
 
 def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, check=True)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        check=True,
+    )
 
 
 def test_one_json_object_per_line_on_stderr_and_in_the_file(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "events.jsonl"
-    code = ("from hybrid_draft.events import emit\n"
-            "emit('hybrid_draft.decision', role='draft', action='switched')\n"
-            "emit('hybrid_draft.config_error', 'error', source='X', detail='d')\n")
+    code = (
+        "from hybrid_draft.events import emit\n"
+        "emit('hybrid_draft.decision', role='draft', action='switched')\n"
+        "emit('hybrid_draft.config_error', 'error', source='X', detail='d')\n"
+    )
     out = run(code, HYBRID_DRAFT_EVENTS_FILE=str(path))
     lines = out.stderr.splitlines()
     assert path.read_text().splitlines() == lines
@@ -34,37 +41,46 @@ def test_one_json_object_per_line_on_stderr_and_in_the_file(tmp_path: Path) -> N
     assert first["pid"] == second["pid"] != os.getpid()
 
 
-@pytest.mark.parametrize(("level", "expected"), [
-    ("debug", ["debug", "info", "warning", "error"]),
-    ("info", ["info", "warning", "error"]),
-    ("warning", ["warning", "error"]),
-    ("error", ["error"]),
-])
+@pytest.mark.parametrize(
+    ("level", "expected"),
+    [
+        ("debug", ["debug", "info", "warning", "error"]),
+        ("info", ["info", "warning", "error"]),
+        ("warning", ["warning", "error"]),
+        ("error", ["error"]),
+    ],
+)
 def test_level_filters_events(level: str, expected: list[str]) -> None:
-    code = ("from hybrid_draft.events import emit\n"
-            "for lv in ('debug', 'info', 'warning', 'error'): emit('hybrid_draft.x', lv)\n")
+    code = (
+        "from hybrid_draft.events import emit\n"
+        "for lv in ('debug', 'info', 'warning', 'error'): emit('hybrid_draft.x', lv)\n"
+    )
     out = run(code, HYBRID_DRAFT_LOG_LEVEL=level)
     assert [json.loads(line)["level"] for line in out.stderr.splitlines()] == expected
 
 
 def test_structlog_and_logging_stay_unconfigured() -> None:
-    code = ("import logging, structlog\n"
-            "before = structlog.get_config()\n"
-            "handlers = list(logging.getLogger().handlers)\n"
-            "from hybrid_draft.events import emit\n"
-            "emit('hybrid_draft.x')\n"
-            "assert structlog.get_config() == before, 'structlog was configured'\n"
-            "assert not structlog.is_configured()\n"
-            "assert logging.getLogger().handlers == handlers\n"
-            "print('unchanged')\n")
+    code = (
+        "import logging, structlog\n"
+        "before = structlog.get_config()\n"
+        "handlers = list(logging.getLogger().handlers)\n"
+        "from hybrid_draft.events import emit\n"
+        "emit('hybrid_draft.x')\n"
+        "assert structlog.get_config() == before, 'structlog was configured'\n"
+        "assert not structlog.is_configured()\n"
+        "assert logging.getLogger().handlers == handlers\n"
+        "print('unchanged')\n"
+    )
     assert run(code).stdout.strip() == "unchanged"
 
 
 def test_an_unwritable_events_file_does_not_break_the_caller(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    out = run("from hybrid_draft.events import emit\nemit('hybrid_draft.x')\nprint('ok')",
-              HYBRID_DRAFT_EVENTS_FILE=str(blocker / "events.jsonl"))
+    out = run(
+        "from hybrid_draft.events import emit\nemit('hybrid_draft.x')\nprint('ok')",
+        HYBRID_DRAFT_EVENTS_FILE=str(blocker / "events.jsonl"),
+    )
     assert out.stdout.strip() == "ok"
     kinds = [json.loads(line)["event"] for line in out.stderr.splitlines()]
     assert kinds == ["hybrid_draft.x", "hybrid_draft.events_file_error"]
@@ -72,11 +88,18 @@ def test_an_unwritable_events_file_does_not_break_the_caller(tmp_path: Path) -> 
 
 def test_events_from_many_processes_interleave_whole(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
-    code = ("from hybrid_draft.events import emit\n"
-            "for i in range(200): emit('hybrid_draft.x', payload='y' * 2000, i=i)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL,
-                              env={**os.environ, "HYBRID_DRAFT_EVENTS_FILE": str(path)})
-             for _ in range(4)]
+    code = (
+        "from hybrid_draft.events import emit\n"
+        "for i in range(200): emit('hybrid_draft.x', payload='y' * 2000, i=i)\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "HYBRID_DRAFT_EVENTS_FILE": str(path)},
+        )
+        for _ in range(4)
+    ]
     assert all(p.wait() == 0 for p in procs)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) == 800 and len({r["pid"] for r in records}) == 4

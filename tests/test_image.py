@@ -35,8 +35,9 @@ BIN = Path(sys.executable).parent
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "docker/vllm-cpu-base.Dockerfile"])
 def test_hadolint_is_clean(dockerfile: str) -> None:
-    out = subprocess.run([str(BIN / "hadolint"), str(REPO / dockerfile)], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [str(BIN / "hadolint"), str(REPO / dockerfile)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -60,12 +61,12 @@ def test_pinned_torch_is_what_the_pinned_vllm_requires() -> None:
 
 def test_final_stage_keeps_only_the_installed_layer_and_the_config() -> None:
     text = (REPO / "Dockerfile").read_text()
-    final = text[text.rindex("\nFROM "):]
+    final = text[text.rindex("\nFROM ") :]
     assert re.findall(r"^COPY\s.*$", final, re.M) == [
-        "COPY config/hybrid-draft.toml /etc/hybrid-draft.toml"]
-    run = final[final.index("\nRUN "):final.index("\nCOPY ")]
-    for mounted in ("from=wheel,source=/dist", "source=docker/install-layer.sh",
-                    "source=pins.txt"):
+        "COPY config/hybrid-draft.toml /etc/hybrid-draft.toml"
+    ]
+    run = final[final.index("\nRUN ") : final.index("\nCOPY ")]
+    for mounted in ("from=wheel,source=/dist", "source=docker/install-layer.sh", "source=pins.txt"):
         assert f"--mount=type=bind,{mounted}" in run
     assert "sh /tmp/hybrid-draft/install-layer.sh" in run
     assert "ENTRYPOINT" not in final and "CMD" not in final  # the base's entrypoint is kept
@@ -75,32 +76,41 @@ def test_final_stage_keeps_only_the_installed_layer_and_the_config() -> None:
 
 def test_layer_is_active_in_the_test_environment() -> None:
     """scripts/test installed the layer with docker/install-layer.sh, as the image does."""
-    out = subprocess.run([str(BIN / "hybrid-draft"), "doctor"], capture_output=True, text=True,
-                         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    out = subprocess.run(
+        [str(BIN / "hybrid-draft"), "doctor"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     from hybrid_draft.tools import doctor
 
     assert [ln.split()[0] for ln in lines] == ["ok"] * len(doctor.CHECKS)
     assert any("get_model is wrapped" in ln for ln in lines)
-    assert any(ln.startswith("ok   rules: ") and "MTP draft classes prune" in ln
-               for ln in lines)
+    assert any(ln.startswith("ok   rules: ") and "MTP draft classes prune" in ln for ln in lines)
 
 
 def test_doctor_fails_on_a_bad_config(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[draft]\nmode = 'fastest'\n")
-    out = subprocess.run([str(BIN / "hybrid-draft"), "doctor"], capture_output=True, text=True,
-                         env={**os.environ, "HYBRID_DRAFT_CONFIG": str(bad),
-                              "VLLM_TARGET_DEVICE": "cpu"})
+    out = subprocess.run(
+        [str(BIN / "hybrid-draft"), "doctor"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HYBRID_DRAFT_CONFIG": str(bad), "VLLM_TARGET_DEVICE": "cpu"},
+    )
     assert out.returncode == 1
     assert f"FAIL config: {bad}:2" in out.stdout
 
 
 def test_doctor_fails_when_the_hook_is_disabled() -> None:
-    out = subprocess.run([str(BIN / "hybrid-draft"), "doctor"], capture_output=True, text=True,
-                         env={**os.environ, "HYBRID_DRAFT_DISABLE": "1",
-                              "VLLM_TARGET_DEVICE": "cpu"})
+    out = subprocess.run(
+        [str(BIN / "hybrid-draft"), "doctor"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HYBRID_DRAFT_DISABLE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+    )
     assert out.returncode == 1
     assert "FAIL layer:" in out.stdout and "HYBRID_DRAFT_DISABLE is set" in out.stdout
     assert "FAIL vllm:" in out.stdout
@@ -119,8 +129,14 @@ def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
     assert env["HYBRID_DRAFT_VERSION"] == __version__
     assert env["BASE_IMAGE"] == f"vllm/vllm-openai:v{p['vllm']}"
     assert b["group"]["default"]["targets"] == ["local"]
-    assert set(b["variable"]) >= {"BASE_IMAGE", "VLLM_VERSION", "INSTANTTENSOR_VERSION",
-                                  "REPOSITORY", "TAG", "PLATFORMS"}
+    assert set(b["variable"]) >= {
+        "BASE_IMAGE",
+        "VLLM_VERSION",
+        "INSTANTTENSOR_VERSION",
+        "REPOSITORY",
+        "TAG",
+        "PLATFORMS",
+    }
     dockerfile = set(dockerfile_args())
     for name in ("local", "official", "spark"):
         target = resolved_target(b, name)
@@ -140,18 +156,38 @@ def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
 
 
 def test_compose_file_follows_the_compose_specification(tmp_path: Path) -> None:
-    out = subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema",
-                          "vendor.compose-spec", str(REPO / "compose.yaml")],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            str(BIN / "check-jsonschema"),
+            "--builtin-schema",
+            "vendor.compose-spec",
+            str(REPO / "compose.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
-    for env in ({}, {"MODEL_DIR": "/srv/models/DeepSeek-V3", "INSTANTTENSOR_DRAFT_LOADER":
-                     "selective", "HYBRID_DRAFT_CONFIG_FILE": "/etc/custom.toml"},
-                {"CHECKPOINT_ARCH": "deepseek_v3", "CHECKPOINT_PRESET": "tiny"}):
+    for env in (
+        {},
+        {
+            "MODEL_DIR": "/srv/models/DeepSeek-V3",
+            "INSTANTTENSOR_DRAFT_LOADER": "selective",
+            "HYBRID_DRAFT_CONFIG_FILE": "/etc/custom.toml",
+        },
+        {"CHECKPOINT_ARCH": "deepseek_v3", "CHECKPOINT_PRESET": "tiny"},
+    ):
         resolved = tmp_path / "resolved.yaml"
         resolved.write_text(yaml.safe_dump(compose(env)))
-        out = subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema",
-                              "vendor.compose-spec", str(resolved)], capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            [
+                str(BIN / "check-jsonschema"),
+                "--builtin-schema",
+                "vendor.compose-spec",
+                str(resolved),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -173,26 +209,40 @@ def test_compose_services() -> None:
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert server["ipc"] == "host"
     assert "default-model:/model:ro" in server["volumes"]
-    config = {"type": "bind", "source": "./config/hybrid-draft.toml",
-              "target": "/etc/hybrid-draft.toml", "read_only": True}
+    config = {
+        "type": "bind",
+        "source": "./config/hybrid-draft.toml",
+        "target": "/etc/hybrid-draft.toml",
+        "read_only": True,
+    }
     assert config in server["volumes"] and config in smoke["volumes"]
     assert server["environment"]["HYBRID_DRAFT_EVENTS_FILE"] == "/events/hybrid-draft.jsonl"
     assert "events:/events" in server["volumes"]
-    assert {"type": "volume", "source": "events", "target": "/events",
-            "read_only": True} in smoke["volumes"]
+    assert {"type": "volume", "source": "events", "target": "/events", "read_only": True} in smoke[
+        "volumes"
+    ]
     assert "/events/hybrid-draft.jsonl" in smoke["command"]
     assert "/health" in " ".join(server["healthcheck"]["test"])
     assert server["healthcheck"]["start_period"] == "60m"
     assert smoke["depends_on"] == {"server": {"condition": "service_healthy"}}
     assert smoke["entrypoint"] == ["hybrid-draft"] and smoke["command"][0] == "smoke"
 
-    passthrough = compose({"INSTANTTENSOR_DRAFT_LOADER": "selective",
-                           "MODEL_DIR": "/srv/m", "HYBRID_DRAFT_CONFIG_FILE": "/etc/x.toml"})
+    passthrough = compose(
+        {
+            "INSTANTTENSOR_DRAFT_LOADER": "selective",
+            "MODEL_DIR": "/srv/m",
+            "HYBRID_DRAFT_CONFIG_FILE": "/etc/x.toml",
+        }
+    )
     for name in ("server", "smoke"):
         svc = passthrough["services"][name]
         assert svc["environment"]["INSTANTTENSOR_DRAFT_LOADER"] == "selective"
-        assert {"type": "bind", "source": "/etc/x.toml", "target": "/etc/hybrid-draft.toml",
-                "read_only": True} in svc["volumes"]
+        assert {
+            "type": "bind",
+            "source": "/etc/x.toml",
+            "target": "/etc/hybrid-draft.toml",
+            "read_only": True,
+        } in svc["volumes"]
     assert "/srv/m:/model:ro" in passthrough["services"]["server"]["volumes"]
     # Unset, the variable is passed as empty, which the layer reads as unset.
     assert server["environment"]["INSTANTTENSOR_DRAFT_LOADER"] == ""
@@ -206,8 +256,16 @@ def test_compose_checkpoint_variables_choose_the_generated_checkpoint() -> None:
     def generate(env: dict[str, str]) -> list[str]:
         return compose(env)["services"]["model"]["command"][0].split(" && ")[0].split()
 
-    assert generate({}) == ["hybrid-draft", "make-checkpoint", "/model", "--arch", "qwen3_5",
-                            "--preset", "default", "--if-missing"]
+    assert generate({}) == [
+        "hybrid-draft",
+        "make-checkpoint",
+        "/model",
+        "--arch",
+        "qwen3_5",
+        "--preset",
+        "default",
+        "--if-missing",
+    ]
     chosen = generate({"CHECKPOINT_ARCH": "glm4_moe", "CHECKPOINT_PRESET": "tiny"})
     assert chosen[3:7] == ["--arch", "glm4_moe", "--preset", "tiny"]
     assert "qwen3_5" in synth.ARCHITECTURES
@@ -234,17 +292,25 @@ def test_server_command_parses_with_vllms_own_serve_parser(vllm_runtime: Any) ->
 
 @pytest.mark.vllm
 def test_default_checkpoint_loads_in_real_vllm_as_target_and_mtp_draft(
-    tmp_path: Path, events: Events, instanttensor_standin: Recorder,
+    tmp_path: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
 ) -> None:
     command = compose()["services"]["model"]["command"][0]
     generate = command.split(" && ")[0].split()
     assert generate[0] == "hybrid-draft"
     out_dir = tmp_path / "model"
-    cli = [str(BIN / "hybrid-draft"), *(str(out_dir) if a == "/model" else a
-                                        for a in generate[1:])]
+    cli = [str(BIN / "hybrid-draft"), *(str(out_dir) if a == "/model" else a for a in generate[1:])]
     subprocess.run(cli, check=True, capture_output=True)
-    healthy = subprocess.run(["sh", "-c", compose()["services"]["model"]["healthcheck"][
-        "test"][1].replace("/model/", f"{out_dir}/")])
+    healthy = subprocess.run(
+        [
+            "sh",
+            "-c",
+            compose()["services"]["model"]["healthcheck"]["test"][1].replace(
+                "/model/", f"{out_dir}/"
+            ),
+        ]
+    )
     assert healthy.returncode == 0
     again = subprocess.run(cli, check=True, capture_output=True, text=True)
     assert "already there" in again.stdout  # --if-missing leaves a checkpoint alone

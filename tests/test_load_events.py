@@ -18,9 +18,22 @@ from hybrid_draft import checkpoint
 
 pytestmark = pytest.mark.vllm
 
-LOADED_KEYS = {"event", "level", "timestamp", "pid", "role", "model", "load_format", "seconds",
-               "bytes_read", "tensors", "shards", "tensor_filter", "checkpoint_shards",
-               "checkpoint_bytes"}
+LOADED_KEYS = {
+    "event",
+    "level",
+    "timestamp",
+    "pid",
+    "role",
+    "model",
+    "load_format",
+    "seconds",
+    "bytes_read",
+    "tensors",
+    "shards",
+    "tensor_filter",
+    "checkpoint_shards",
+    "checkpoint_bytes",
+}
 
 
 def _draft_proposer(config: Any) -> Any:
@@ -30,7 +43,10 @@ def _draft_proposer(config: Any) -> Any:
 
 
 def test_every_load_says_what_it_read(
-    deepseek: Path, events: Events, instanttensor_standin: Recorder, filtered_reads: Recorder,
+    deepseek: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    filtered_reads: Recorder,
 ) -> None:
     loaded = load_target_and_draft(engine_config(deepseek))
     shards = checkpoint.read_checkpoint(deepseek)
@@ -43,23 +59,38 @@ def test_every_load_says_what_it_read(
         assert event["checkpoint_bytes"] == sum(s.path.stat().st_size for s in shards)
     # The target: a full InstantTensor pass, every tensor of every shard yielded.
     assert (target["role"], target["load_format"], target["tensor_filter"]) == (
-        "target", "instanttensor", False)
+        "target",
+        "instanttensor",
+        False,
+    )
     assert target["tensors"] == sum(len(s.tensors) for s in shards)
     assert target["shards"] == len(shards)
     # The draft: lazy safetensors, only what DeepSeekMTP keeps, from the shards holding it.
     assert (draft["role"], draft["load_format"], draft["tensor_filter"]) == (
-        "draft", "safetensors", True)
+        "draft",
+        "safetensors",
+        True,
+    )
     assert draft["tensors"] == len(rule_keeps(deepseek, loaded.draft))
     assert draft["shards"] == len(filtered_reads.calls) < len(shards)
     # Each load's event follows its decision.
-    order = [(e["event"], e["role"]) for e in events.all() if e["event"] in (
-        "hybrid_draft.decision", "hybrid_draft.loaded")]
-    assert order == [("hybrid_draft.decision", "target"), ("hybrid_draft.loaded", "target"),
-                     ("hybrid_draft.decision", "draft"), ("hybrid_draft.loaded", "draft")]
+    order = [
+        (e["event"], e["role"])
+        for e in events.all()
+        if e["event"] in ("hybrid_draft.decision", "hybrid_draft.loaded")
+    ]
+    assert order == [
+        ("hybrid_draft.decision", "target"),
+        ("hybrid_draft.loaded", "target"),
+        ("hybrid_draft.decision", "draft"),
+        ("hybrid_draft.loaded", "draft"),
+    ]
 
 
 def test_bytes_read_come_from_storage(
-    deepseek: Path, events: Events, instanttensor_standin: Recorder,
+    deepseek: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
 ) -> None:
     """The same draft load, from a warm page cache and then a cold one: the figure is what
     the kernel fetched, not a size computed from the files."""
@@ -81,14 +112,17 @@ def test_bytes_read_come_from_storage(
     cold = load_draft_again()
     assert warm["role"] == cold["role"] == "draft"
     kept = rule_keeps(deepseek, loaded.draft)
-    kept_bytes = sum(t.nbytes for s in checkpoint.read_checkpoint(deepseek) for t in s.tensors
-                     if t.name in kept)
+    kept_bytes = sum(
+        t.nbytes for s in checkpoint.read_checkpoint(deepseek) for t in s.tensors if t.name in kept
+    )
     assert warm["bytes_read"] == 0
     assert cold["bytes_read"] >= kept_bytes
 
 
 def test_a_load_that_raises_says_so_and_the_exception_is_unchanged(
-    qwen35: Path, events: Events, instanttensor_standin: Recorder,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from vllm.model_executor.models.qwen3_5_mtp import Qwen3_5MTP
@@ -106,14 +140,21 @@ def test_a_load_that_raises_says_so_and_the_exception_is_unchanged(
     (failed,) = events.named("hybrid_draft.load_failed")
     assert target["role"] == "target"
     assert (failed["role"], failed["level"], failed["load_format"]) == (
-        "draft", "error", "safetensors")
-    assert (failed["error_type"], failed["error"]) == ("RuntimeError",
-                                                       "the draft's weights are corrupt")
+        "draft",
+        "error",
+        "safetensors",
+    )
+    assert (failed["error_type"], failed["error"]) == (
+        "RuntimeError",
+        "the draft's weights are corrupt",
+    )
     assert failed["seconds"] > 0
 
 
 def test_an_invalid_setting_is_a_failed_load(
-    qwen35: Path, events: Events, instanttensor_standin: Recorder,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from hybrid_draft.settings import ConfigError
@@ -131,12 +172,17 @@ def test_an_invalid_setting_is_a_failed_load(
 
 
 def report(events_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hybrid_draft", "report",
-                           str(events_file), *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "hybrid_draft", "report", str(events_file), *args],
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_report_on_a_real_events_file(
-    deepseek: Path, events: Events, instanttensor_standin: Recorder,
+    deepseek: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
 ) -> None:
     load_target_and_draft(engine_config(deepseek))
     target, draft = events.named("hybrid_draft.loaded")
@@ -147,7 +193,9 @@ def test_report_on_a_real_events_file(
     assert proc["pid"] == os.getpid() and not proc["failures"]
     rows = proc["loads"]
     assert [(r["role"], r["load_format"], r["reason"]) for r in rows] == [
-        ("target", "instanttensor", "target_model"), ("draft", "safetensors", "same_checkpoint")]
+        ("target", "instanttensor", "target_model"),
+        ("draft", "safetensors", "same_checkpoint"),
+    ]
     saved = rows[1]["vs_full_pass"]
     assert saved["full_pass_bytes"] == draft["checkpoint_bytes"]
     assert saved["bytes_saved"] == draft["checkpoint_bytes"] - draft["bytes_read"]
@@ -158,25 +206,44 @@ def test_report_on_a_real_events_file(
     assert text.returncode == 0
     lines = text.stdout.splitlines()
     assert lines[0] == f"process {os.getpid()}"
-    assert any(ln.split()[:2] == ["draft", "safetensors"] and "(filtered)" in ln
-               for ln in lines)
+    assert any(ln.split()[:2] == ["draft", "safetensors"] and "(filtered)" in ln for ln in lines)
     assert any(ln.strip().startswith("draft vs a second full pass: read ") for ln in lines)
     assert lines[-1] == "2 load(s), 0 failed, in 1 process(es)"
 
 
 def test_report_pairs_each_process_of_a_server(tmp_path: Path) -> None:
     """Lines from an API server and two ranks, interleaved as they are in a shared file."""
+
     def ev(pid: int, event: str, role: str, **kw: Any) -> str:
-        return json.dumps({"event": f"hybrid_draft.{event}", "level": "info", "pid": pid,
-                           "role": role, "model": "/m", **kw})
+        return json.dumps(
+            {
+                "event": f"hybrid_draft.{event}",
+                "level": "info",
+                "pid": pid,
+                "role": role,
+                "model": "/m",
+                **kw,
+            }
+        )
 
     def loaded(pid: int, role: str, fmt: str, seconds: float, read: int) -> str:
-        return ev(pid, "loaded", role, load_format=fmt, tensor_filter=role == "draft",
-                  seconds=seconds, bytes_read=read, tensors=9, shards=1, checkpoint_shards=4,
-                  checkpoint_bytes=1000)
+        return ev(
+            pid,
+            "loaded",
+            role,
+            load_format=fmt,
+            tensor_filter=role == "draft",
+            seconds=seconds,
+            bytes_read=read,
+            tensors=9,
+            shards=1,
+            checkpoint_shards=4,
+            checkpoint_bytes=1000,
+        )
 
     lines = [
-        ev(1, "activated", "-"), "not json at all",
+        ev(1, "activated", "-"),
+        "not json at all",
         ev(10, "decision", "target", action="kept", reason="target_model"),
         ev(11, "decision", "target", action="kept", reason="target_model"),
         loaded(11, "target", "instanttensor", 4.0, 1000),
@@ -184,8 +251,15 @@ def test_report_pairs_each_process_of_a_server(tmp_path: Path) -> None:
         ev(10, "decision", "draft", action="switched", reason="same_checkpoint"),
         ev(11, "decision", "draft", action="switched", reason="same_checkpoint"),
         loaded(10, "draft", "safetensors", 1.0, 100),
-        ev(11, "load_failed", "draft", load_format="safetensors", seconds=0.5,
-           error_type="ValueError", error="boom"),
+        ev(
+            11,
+            "load_failed",
+            "draft",
+            load_format="safetensors",
+            seconds=0.5,
+            error_type="ValueError",
+            error="boom",
+        ),
     ]
     path = tmp_path / "events.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -193,11 +267,20 @@ def test_report_pairs_each_process_of_a_server(tmp_path: Path) -> None:
     by_pid = {p["pid"]: p for p in summary["processes"]}
     assert sorted(by_pid) == [10, 11]
     assert by_pid[10]["loads"][1]["vs_full_pass"] == {
-        "full_pass_bytes": 1000, "bytes_read": 100, "bytes_saved": 900, "share_read": 0.1,
-        "full_pass_seconds": 5.0, "seconds": 1.0, "seconds_saved": 4.0}
+        "full_pass_bytes": 1000,
+        "bytes_read": 100,
+        "bytes_saved": 900,
+        "share_read": 0.1,
+        "full_pass_seconds": 5.0,
+        "seconds": 1.0,
+        "seconds_saved": 4.0,
+    }
     (failure,) = by_pid[11]["failures"]
     assert (failure["role"], failure["error_type"], failure["reason"]) == (
-        "draft", "ValueError", "same_checkpoint")
+        "draft",
+        "ValueError",
+        "same_checkpoint",
+    )
     assert (summary["loads"], summary["failures"]) == (3, 1)
     text = report(path).stdout
     assert "FAILED draft load (safetensors) after 0.50 s: ValueError: boom" in text
@@ -206,8 +289,9 @@ def test_report_pairs_each_process_of_a_server(tmp_path: Path) -> None:
 def test_report_errors_are_one_line(tmp_path: Path) -> None:
     out = report(tmp_path / "missing.jsonl")
     assert out.returncode == 2
-    assert out.stderr.strip() == (f"hybrid-draft report: cannot read {tmp_path}/missing.jsonl: "
-                                  "No such file or directory")
+    assert out.stderr.strip() == (
+        f"hybrid-draft report: cannot read {tmp_path}/missing.jsonl: No such file or directory"
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert report(empty).stdout.startswith("no model loads in these events")

@@ -22,10 +22,26 @@ from conftest import (
 
 pytestmark = pytest.mark.vllm
 
-DECISION_KEYS = {"event", "level", "timestamp", "pid", "role", "mode", "mode_source", "method",
-                 "requested_format", "chosen_format", "action", "reason", "model", "revision"}
-SWITCH_LINE = ("Hybrid draft loading: using lazy safetensors for speculative draft weights "
-               "while preserving InstantTensor for the target model")
+DECISION_KEYS = {
+    "event",
+    "level",
+    "timestamp",
+    "pid",
+    "role",
+    "mode",
+    "mode_source",
+    "method",
+    "requested_format",
+    "chosen_format",
+    "action",
+    "reason",
+    "model",
+    "revision",
+}
+SWITCH_LINE = (
+    "Hybrid draft loading: using lazy safetensors for speculative draft weights "
+    "while preserving InstantTensor for the target model"
+)
 
 
 def qwen35_mtp_expected(name: str, ckpt: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -59,8 +75,12 @@ def vllm_log_lines(vllm_runtime: Any) -> Any:
 
 
 def test_instanttensor_target_lazy_draft_with_checkpoint_values(
-    qwen35: Path, events: Events, instanttensor_standin: Recorder, lazy_spy: Recorder,
-    filtered_reads: Recorder, vllm_log_lines: list[str],
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    lazy_spy: Recorder,
+    filtered_reads: Recorder,
+    vllm_log_lines: list[str],
 ) -> None:
     config = engine_config(qwen35)
     target_load_config = config.load_config
@@ -90,16 +110,20 @@ def test_instanttensor_target_lazy_draft_with_checkpoint_values(
 
     target, draft = events.decisions("target"), events.decisions("draft")
     assert [(e["action"], e["reason"], e["chosen_format"]) for e in target] == [
-        ("kept", "target_model", "instanttensor")]
-    assert [(e["action"], e["reason"], e["requested_format"], e["chosen_format"])
-            for e in draft] == [("switched", "same_checkpoint", "instanttensor", "safetensors")]
+        ("kept", "target_model", "instanttensor")
+    ]
+    assert [
+        (e["action"], e["reason"], e["requested_format"], e["chosen_format"]) for e in draft
+    ] == [("switched", "same_checkpoint", "instanttensor", "safetensors")]
     assert draft[0]["method"] == "mtp" and draft[0]["target_model"] == str(qwen35)
     assert (draft[0]["pruning_rule"], draft[0]["tensor_filter"]) == ("vllm", True)
     assert vllm_log_lines == [SWITCH_LINE]
 
 
 def test_each_get_model_call_emits_one_decision_on_stderr_and_in_the_file(
-    qwen35: Path, events: Events, instanttensor_standin: Recorder,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     capfd.readouterr()
@@ -125,8 +149,9 @@ def test_each_get_model_call_emits_one_decision_on_stderr_and_in_the_file(
 # --- the mode matrix -----------------------------------------------------------------------
 
 
-def _scenario(name: str, qwen35: Path, qwen35_copy: Path, monkeypatch: pytest.MonkeyPatch,
-              tmp_path: Path) -> dict[str, Any]:
+def _scenario(
+    name: str, qwen35: Path, qwen35_copy: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> dict[str, Any]:
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
     if name == "same":
         return {"model": qwen35, "speculative_config": mtp}
@@ -140,8 +165,10 @@ def _scenario(name: str, qwen35: Path, qwen35_copy: Path, monkeypatch: pytest.Mo
         monkeypatch.chdir(qwen35.parent)
         return {"model": qwen35, "speculative_config": {**mtp, "model": f"./{qwen35.name}/"}}
     if name == "explicit_draft_loader":
-        return {"model": qwen35, "speculative_config": {
-            **mtp, "draft_load_config": {"load_format": "safetensors"}}}
+        return {
+            "model": qwen35,
+            "speculative_config": {**mtp, "draft_load_config": {"load_format": "safetensors"}},
+        }
     if name == "not_instanttensor":
         return {"model": qwen35, "load_format": "safetensors", "speculative_config": mtp}
     if name == "target_revision":
@@ -149,8 +176,15 @@ def _scenario(name: str, qwen35: Path, qwen35_copy: Path, monkeypatch: pytest.Mo
     raise AssertionError(name)
 
 
-SCENARIOS = ("same", "different", "symlink", "relative_trailing_slash", "explicit_draft_loader",
-             "not_instanttensor", "target_revision")
+SCENARIOS = (
+    "same",
+    "different",
+    "symlink",
+    "relative_trailing_slash",
+    "explicit_draft_loader",
+    "not_instanttensor",
+    "target_revision",
+)
 SAME = ("same", "symlink", "relative_trailing_slash", "target_revision")
 
 # (scenario, mode) -> (action, reason, chosen format)
@@ -172,10 +206,18 @@ for _s in SCENARIOS:
 
 
 @pytest.mark.parametrize(("scenario", "mode"), sorted(EXPECTED))
-def test_mode_matrix(scenario: str, mode: str, qwen35: Path, qwen35_copy: Path, events: Events,
-                     instanttensor_standin: Recorder, lazy_spy: Recorder,
-                     filtered_reads: Recorder, monkeypatch: pytest.MonkeyPatch,
-                     tmp_path: Path) -> None:
+def test_mode_matrix(
+    scenario: str,
+    mode: str,
+    qwen35: Path,
+    qwen35_copy: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    lazy_spy: Recorder,
+    filtered_reads: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
     monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", mode)
     kwargs = _scenario(scenario, qwen35, qwen35_copy, monkeypatch, tmp_path)
     config = engine_config(kwargs.pop("model"), **kwargs)
@@ -205,7 +247,9 @@ def test_mode_matrix(scenario: str, mode: str, qwen35: Path, qwen35_copy: Path, 
 
 
 def test_instanttensor_mode_passes_the_draft_to_instanttensor(
-    qwen35: Path, events: Events, instanttensor_standin: Recorder,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With the real InstantTensor iterator for the draft, vLLM's own CUDA check fires."""
@@ -237,34 +281,51 @@ def test_instanttensor_mode_passes_the_draft_to_instanttensor(
 
 @pytest.mark.parametrize("route", ["eagle", "mrv2_eagle"])
 def test_mtp_routes_switch_same_checkpoint_drafts(
-    route: str, qwen35: Path, events: Events, instanttensor_standin: Recorder,
-    lazy_spy: Recorder, filtered_reads: Recorder,
+    route: str,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    lazy_spy: Recorder,
+    filtered_reads: Recorder,
 ) -> None:
     loaded = load_target_and_draft(engine_config(qwen35), route=route)
     (draft,) = events.decisions("draft")
     assert (draft["action"], draft["reason"]) == ("switched", "same_checkpoint")
     assert not lazy_spy.calls
     assert sorted(n for c in filtered_reads.calls for n in c["tensors"]) == sorted(
-        rule_keeps(qwen35, loaded.draft))
+        rule_keeps(qwen35, loaded.draft)
+    )
     assert len(instanttensor_standin.calls) == 1
 
 
 @pytest.mark.parametrize("route", ["draft_model", "mrv2_standalone"])
-@pytest.mark.parametrize(("mode", "same", "expected"), [
-    ("auto", False, ("kept", "different_checkpoint")),
-    ("auto", True, ("switched", "same_checkpoint")),
-    ("safetensors", False, ("switched", "forced_safetensors")),
-])
+@pytest.mark.parametrize(
+    ("mode", "same", "expected"),
+    [
+        ("auto", False, ("kept", "different_checkpoint")),
+        ("auto", True, ("switched", "same_checkpoint")),
+        ("safetensors", False, ("switched", "forced_safetensors")),
+    ],
+)
 def test_standalone_draft_model_routes(
-    route: str, mode: str, same: bool, expected: tuple[str, str],
-    qwen3_pair: tuple[Path, Path], events: Events, instanttensor_standin: Recorder,
-    lazy_spy: Recorder, monkeypatch: pytest.MonkeyPatch,
+    route: str,
+    mode: str,
+    same: bool,
+    expected: tuple[str, str],
+    qwen3_pair: tuple[Path, Path],
+    events: Events,
+    instanttensor_standin: Recorder,
+    lazy_spy: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``draft_model`` proposers pass neither model_config nor load_config to get_model."""
     monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", mode)
     target, other = qwen3_pair
-    spec = {"method": "draft_model", "model": str(target if same else other),
-            "num_speculative_tokens": 2}
+    spec = {
+        "method": "draft_model",
+        "model": str(target if same else other),
+        "num_speculative_tokens": 2,
+    }
     load_target_and_draft(engine_config(target, speculative_config=spec), route=route)
     (draft,) = events.decisions("draft")
     assert (draft["action"], draft["reason"]) == expected
@@ -277,27 +338,40 @@ def test_standalone_draft_model_routes(
 
 
 def test_multithread_load_is_dropped_for_the_draft(
-    qwen35: Path, events: Events, instanttensor_standin: Recorder, lazy_spy: Recorder,
-    filtered_reads: Recorder, monkeypatch: pytest.MonkeyPatch,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    lazy_spy: Recorder,
+    filtered_reads: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import vllm.model_executor.model_loader.default_loader as default_loader
 
     multi = []
     real_multi = default_loader.multi_thread_safetensors_weights_iterator
-    monkeypatch.setattr(default_loader, "multi_thread_safetensors_weights_iterator",
-                        lambda *a, **k: multi.append(a) or real_multi(*a, **k))
-    config = engine_config(qwen35, model_loader_extra_config={"enable_multithread_load": True,
-                                                              "num_threads": 2})
+    monkeypatch.setattr(
+        default_loader,
+        "multi_thread_safetensors_weights_iterator",
+        lambda *a, **k: multi.append(a) or real_multi(*a, **k),
+    )
+    config = engine_config(
+        qwen35, model_loader_extra_config={"enable_multithread_load": True, "num_threads": 2}
+    )
     load_target_and_draft(config)
     assert not multi, "the draft used the whole-file multi-thread reader"
     assert not lazy_spy.calls and filtered_reads.calls
-    assert config.load_config.model_loader_extra_config == {"enable_multithread_load": True,
-                                                            "num_threads": 2}
+    assert config.load_config.model_loader_extra_config == {
+        "enable_multithread_load": True,
+        "num_threads": 2,
+    }
 
 
 def test_invalid_setting_stops_the_load_with_an_event(
-    qwen35: Path, events: Events, instanttensor_standin: Recorder,
-    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     from hybrid_draft.settings import ConfigError
 

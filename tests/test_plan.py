@@ -26,11 +26,15 @@ DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E4M3FN": 1}
 HOST_FALLBACK = "no_cuda"
 
 
-def run_plan(model: Path, *flags: str, env: dict[str, str] | None = None
-             ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hybrid_draft", "plan", str(model), *flags],
-                          capture_output=True, text=True,
-                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})})
+def run_plan(
+    model: Path, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hybrid_draft", "plan", str(model), *flags],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})},
+    )
 
 
 def plan_here(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -67,11 +71,16 @@ def shard_contents(model: Path) -> dict[str, dict[str, int]]:
     return out
 
 
-def expected(contents: dict[str, dict[str, int]], unused: Any, stock: Any,
-             host_fallback: str | None = HOST_FALLBACK) -> dict[str, Any]:
+def expected(
+    contents: dict[str, dict[str, int]],
+    unused: Any,
+    stock: Any,
+    host_fallback: str | None = HOST_FALLBACK,
+) -> dict[str, Any]:
     """Each row from the shard contents and the rules (see plan.py's module doc).
 
     ``fallback`` is compared, its human ``detail`` is not (see the tests that check it)."""
+
     def prune(rule: Any) -> list[str]:
         if rule is None:
             return list(contents)
@@ -80,24 +89,40 @@ def expected(contents: dict[str, dict[str, int]], unused: Any, stock: Any,
 
     def whole(shards: list[str]) -> dict[str, Any]:
         n = sum(len(contents[s]) for s in shards)
-        return {"shards": shards, "tensors": n, "touched_tensors": n,
-                "bytes": sum(sum(contents[s].values()) for s in shards)}
+        return {
+            "shards": shards,
+            "tensors": n,
+            "touched_tensors": n,
+            "bytes": sum(sum(contents[s].values()) for s in shards),
+        }
 
     def lazy(shards: list[str]) -> dict[str, Any]:
         touched = sum(len(contents[s]) for s in shards)
         if unused is None:
             return {"shards": shards, "tensors": None, "bytes": None, "touched_tensors": touched}
         sizes = [b for s in shards for n, b in contents[s].items() if not unused(n)]
-        return {"shards": shards, "tensors": len(sizes), "bytes": sum(sizes),
-                "touched_tensors": touched}
+        return {
+            "shards": shards,
+            "tensors": len(sizes),
+            "bytes": sum(sizes),
+            "touched_tensors": touched,
+        }
 
     if unused is None:
         auto, fallback = lazy(list(contents)), "no_rule"
     else:
         holding = [s for s, t in contents.items() if any(not unused(n) for n in t)]
         sizes = [b for s in holding for n, b in contents[s].items() if not unused(n)]
-        auto = ({"shards": holding, "tensors": len(sizes), "bytes": sum(sizes),
-                 "touched_tensors": len(sizes)} if holding else lazy(prune(unused)))
+        auto = (
+            {
+                "shards": holding,
+                "tensors": len(sizes),
+                "bytes": sum(sizes),
+                "touched_tensors": len(sizes),
+            }
+            if holding
+            else lazy(prune(unused))
+        )
         fallback = host_fallback if holding else "empty_plan"
     return {
         "instanttensor": whole(prune(stock)),
@@ -111,8 +136,7 @@ def expected(contents: dict[str, dict[str, int]], unused: Any, stock: Any,
 
 def rows(result: dict[str, Any]) -> dict[str, Any]:
     """The plan's rows without the fallback's human detail."""
-    return {m: {k: v for k, v in r.items() if k != "detail"}
-            for m, r in result["modes"].items()}
+    return {m: {k: v for k, v in r.items() if k != "detail"} for m, r in result["modes"].items()}
 
 
 def qwen35_rule(name: str) -> bool:  # vLLM's own Qwen3_5MTP.is_unused_checkpoint_weight
@@ -126,35 +150,58 @@ def spec_rule(model: Path, top: tuple[str, ...]) -> Any:
     def unused(name: str) -> bool:
         layers = [base + i for i in range(n) if name.startswith(f"model.layers.{base + i}.")]
         return not layers and name not in top
+
     return unused
 
 
 # --- rows ----------------------------------------------------------------------------------
 
 
-def test_plan_qwen35_uses_vllms_own_rule(qwen35: Path, capsys: pytest.CaptureFixture[str]
-                                          ) -> None:
+def test_plan_qwen35_uses_vllms_own_rule(qwen35: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = plan_json(capsys, qwen35)
     contents = shard_contents(qwen35)
     assert (result["draft_class"], result["rule_source"]) == ("Qwen3_5MTP", "vllm")
     assert rows(result) == expected(contents, qwen35_rule, qwen35_rule)
-    assert result["checkpoint"] == {"shards": 3, "tensors": sum(map(len, contents.values())),
-                                    "bytes": sum(sum(t.values()) for t in contents.values())}
-    assert result["auto"] == {"action": "switched", "reason": "same_checkpoint",
-                              "chosen_format": "safetensors", "tensor_filter": True}
+    assert result["checkpoint"] == {
+        "shards": 3,
+        "tensors": sum(map(len, contents.values())),
+        "bytes": sum(sum(t.values()) for t in contents.values()),
+    }
+    assert result["auto"] == {
+        "action": "switched",
+        "reason": "same_checkpoint",
+        "chosen_format": "safetensors",
+        "tensor_filter": True,
+    }
     assert result["warnings"] == []
     assert result["modes"]["selective"]["detail"] == "CUDA is not available (vLLM platform: cpu)"
 
 
-@pytest.mark.parametrize(("name", "layout", "top", "cls"), [
-    ("plan-deepseek-moe", lambda: synth.deepseek_v3("tiny"), ("model.embed_tokens.weight",),
-     "DeepSeekMTP"),
-    ("plan-glm", lambda: synth.glm4_moe("tiny"),
-     ("model.embed_tokens.weight", "lm_head.weight"), "Glm4MoeMTP"),
-])
-def test_plan_with_the_projects_rules(name: str, layout: Any, top: tuple[str, ...], cls: str,
-                                      ckpt_root: Path, capsys: pytest.CaptureFixture[str]
-                                      ) -> None:
+@pytest.mark.parametrize(
+    ("name", "layout", "top", "cls"),
+    [
+        (
+            "plan-deepseek-moe",
+            lambda: synth.deepseek_v3("tiny"),
+            ("model.embed_tokens.weight",),
+            "DeepSeekMTP",
+        ),
+        (
+            "plan-glm",
+            lambda: synth.glm4_moe("tiny"),
+            ("model.embed_tokens.weight", "lm_head.weight"),
+            "Glm4MoeMTP",
+        ),
+    ],
+)
+def test_plan_with_the_projects_rules(
+    name: str,
+    layout: Any,
+    top: tuple[str, ...],
+    cls: str,
+    ckpt_root: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     model = ckpt_root / name
     if not model.exists():
         lay = layout()
@@ -168,8 +215,9 @@ def test_plan_with_the_projects_rules(name: str, layout: Any, top: tuple[str, ..
     assert len(result["modes"]["auto"]["shards"]) < 5
 
 
-def test_plan_full_size_deepseek_v3_layout(ckpt_root: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_full_size_deepseek_v3_layout(
+    ckpt_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """163 shards, 91,991 tensors, 688 GB of FP8 weights; headers only (sparse files)."""
     model = ckpt_root / "deepseek-v3-full"
     layout = synth.deepseek_v3("full", fp8=True)
@@ -185,15 +233,23 @@ def test_plan_full_size_deepseek_v3_layout(ckpt_root: Path,
     draft_shards = sorted(s for s, t in contents.items() if draft_names & t.keys())
     draft_bytes = sum(t.nbytes for t in layout.tensors if t.name in draft_names)
     modes = result["modes"]
-    assert modes["auto"] == {"shards": draft_shards, "tensors": len(draft_names),
-                             "bytes": draft_bytes, "touched_tensors": len(draft_names)}
+    assert modes["auto"] == {
+        "shards": draft_shards,
+        "tensors": len(draft_names),
+        "bytes": draft_bytes,
+        "touched_tensors": len(draft_names),
+    }
     assert rows(result)["selective"] == {**modes["auto"], "fallback": HOST_FALLBACK}
     pruned = {k: v for k, v in modes["lazy_pruned"].items() if k != "touched_tensors"}
     assert pruned == {k: v for k, v in modes["auto"].items() if k != "touched_tensors"}
     assert modes["lazy"]["tensors"] == len(draft_names) and len(modes["lazy"]["shards"]) == 163
     assert modes["lazy"]["touched_tensors"] == 91991
-    assert modes["instanttensor"] == {"shards": sorted(contents), "tensors": 91991,
-                                      "bytes": layout.nbytes, "touched_tensors": 91991}
+    assert modes["instanttensor"] == {
+        "shards": sorted(contents),
+        "tensors": 91991,
+        "bytes": layout.nbytes,
+        "touched_tensors": 91991,
+    }
     assert modes["instanttensor_pruned"]["shards"] == draft_shards
     assert len(draft_shards) <= 6 and draft_bytes < 0.03 * layout.nbytes
 
@@ -203,29 +259,53 @@ def test_plan_human_table(qwen35: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert code == 0
     lines = out.splitlines()
     assert "Qwen3_5MTP" in out and "weight rule: vllm" in out and "tensor filter on" in out
-    table = {line.split()[0]: line for line in lines
-             if len(line.split()) > 1 and line.split()[1].isdigit()}
-    assert list(table) == ["instanttensor", "instanttensor_pruned", "lazy", "lazy_pruned",
-                           "auto", "selective"]
+    table = {
+        line.split()[0]: line
+        for line in lines
+        if len(line.split()) > 1 and line.split()[1].isdigit()
+    }
+    assert list(table) == [
+        "instanttensor",
+        "instanttensor_pruned",
+        "lazy",
+        "lazy_pruned",
+        "auto",
+        "selective",
+    ]
     row = table["selective"]
     assert row.endswith(f"fallback: {HOST_FALLBACK}")
-    assert ("selective falls back to the auto row here: CUDA is not available (vLLM "
-            "platform: cpu)") in lines
+    assert (
+        "selective falls back to the auto row here: CUDA is not available (vLLM platform: cpu)"
+    ) in lines
 
 
 # --- every row is what the mode does: real vLLM loads, compared with the plan ------------
 
 #: mode (or a user's explicit lazy draft loader) -> the row that describes it.
-LOADS = {"auto": "auto", "safetensors": "auto", "selective": "selective",
-         "instanttensor": "instanttensor_pruned", "explicit_lazy": "lazy_pruned"}
+LOADS = {
+    "auto": "auto",
+    "safetensors": "auto",
+    "selective": "selective",
+    "instanttensor": "instanttensor_pruned",
+    "explicit_lazy": "lazy_pruned",
+}
 
 
-@pytest.mark.parametrize(("fixture", "mode"), [
-    *[("qwen35", m) for m in LOADS], ("deepseek", "auto"), ("deepseek", "selective"),
-])
+@pytest.mark.parametrize(
+    ("fixture", "mode"),
+    [
+        *[("qwen35", m) for m in LOADS],
+        ("deepseek", "auto"),
+        ("deepseek", "selective"),
+    ],
+)
 def test_each_row_is_what_real_vllm_loads(
-    fixture: str, mode: str, request: pytest.FixtureRequest, events: Events,
-    instanttensor_standin: Recorder, monkeypatch: pytest.MonkeyPatch,
+    fixture: str,
+    mode: str,
+    request: pytest.FixtureRequest,
+    events: Events,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The draft's ``hybrid_draft.loaded`` event (shards opened, tensors yielded to the
@@ -236,8 +316,10 @@ def test_each_row_is_what_real_vllm_loads(
 
     spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": 1}
     if mode == "explicit_lazy":
-        spec["draft_load_config"] = {"load_format": "safetensors",
-                                     "safetensors_load_strategy": "lazy"}
+        spec["draft_load_config"] = {
+            "load_format": "safetensors",
+            "safetensors_load_strategy": "lazy",
+        }
     else:
         monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", mode)
     load_target_and_draft(engine_config(model, speculative_config=spec))
@@ -261,12 +343,21 @@ def _mimo_shape(name: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
-    shapes = {"q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
-              "o_proj.weight": (h, q), "q_proj.bias": (q,), "k_proj.bias": (kv,),
-              "v_proj.bias": (kv,), "gate_proj.weight": (inter, h),
-              "up_proj.weight": (inter, h), "down_proj.weight": (h, inter),
-              "input_proj.weight": (h, 2 * h), "embed_tokens.weight": (vocab, h),
-              "lm_head.weight": (vocab, h)}
+    shapes = {
+        "q_proj.weight": (q, h),
+        "k_proj.weight": (kv, h),
+        "v_proj.weight": (kv, h),
+        "o_proj.weight": (h, q),
+        "q_proj.bias": (q,),
+        "k_proj.bias": (kv,),
+        "v_proj.bias": (kv,),
+        "gate_proj.weight": (inter, h),
+        "up_proj.weight": (inter, h),
+        "down_proj.weight": (h, inter),
+        "input_proj.weight": (h, 2 * h),
+        "embed_tokens.weight": (vocab, h),
+        "lm_head.weight": (vocab, h),
+    }
     for suffix, shape in shapes.items():
         if name.endswith(suffix):
             return shape
@@ -287,10 +378,13 @@ def mimo(ckpt_root: Path) -> Path:
         cfg = json.loads((src / "config.json").read_text())
         weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
-        shards = [[synth.Tensor(n, _mimo_shape(n, cfg)) for n in sorted(weight_map)
-                   if weight_map[n] == f] for f in files]
-        synth.write_checkpoint(out, synth.Layout(cfg, [t for s in shards for t in s]), shards,
-                               fill="sparse")
+        shards = [
+            [synth.Tensor(n, _mimo_shape(n, cfg)) for n in sorted(weight_map) if weight_map[n] == f]
+            for f in files
+        ]
+        synth.write_checkpoint(
+            out, synth.Layout(cfg, [t for s in shards for t in s]), shards, fill="sparse"
+        )
         for name in ("config.json", "model.safetensors.index.json"):
             shutil.copy(src / name, out / name)
     return out
@@ -325,8 +419,12 @@ def test_plan_mimo_without_remote_code(mimo: Path, capsys: pytest.CaptureFixture
         # the names MiMoMTP.load_weights lets through ("mtp_layers", "embed_tokens",
         # "lm_head"), 18 of the 451.
         kept = {n for t in contents.values() for n in t if not draft.is_unused(n)}
-        assert kept == {n for t in contents.values() for n in t
-                        if any(k in n for k in ("mtp_layers", "embed_tokens", "lm_head"))}
+        assert kept == {
+            n
+            for t in contents.values()
+            for n in t
+            if any(k in n for k in ("mtp_layers", "embed_tokens", "lm_head"))
+        }
         assert result["modes"]["auto"]["tensors"] == len(kept) < 451
 
 
@@ -342,7 +440,8 @@ def test_plan_runs_checkpoint_code_only_when_trusted(mimo: Path, tmp_path: Path)
         f"pathlib.Path({str(mark)!r}).write_text('ran')\n"
         "from transformers import Qwen2Config\n\n\n"
         "class MiMoConfig(Qwen2Config):\n"
-        "    model_type = 'mimo'\n")
+        "    model_type = 'mimo'\n"
+    )
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
 
     untrusted = run_plan(model, "--json", env=env)
@@ -374,27 +473,43 @@ def _qwen35_moe_text_tensors(cfg: dict[str, Any]) -> list[synth.Tensor]:
         out.append(t(f"{layer}input_layernorm.weight", (h,)))
         if kind == "linear_attention":
             a, conv = f"{layer}linear_attn.", 2 * kd + vd
-            out += [t(f"{a}A_log", (nv,)), t(f"{a}conv1d.weight", (conv, 1, 4)),
-                    t(f"{a}dt_bias", (nv,)), t(f"{a}in_proj_a.weight", (nv, h)),
-                    t(f"{a}in_proj_b.weight", (nv, h)), t(f"{a}in_proj_qkv.weight", (conv, h)),
-                    t(f"{a}in_proj_z.weight", (vd, h)),
-                    t(f"{a}norm.weight", (cfg["linear_value_head_dim"],)),
-                    t(f"{a}out_proj.weight", (h, vd))]
+            out += [
+                t(f"{a}A_log", (nv,)),
+                t(f"{a}conv1d.weight", (conv, 1, 4)),
+                t(f"{a}dt_bias", (nv,)),
+                t(f"{a}in_proj_a.weight", (nv, h)),
+                t(f"{a}in_proj_b.weight", (nv, h)),
+                t(f"{a}in_proj_qkv.weight", (conv, h)),
+                t(f"{a}in_proj_z.weight", (vd, h)),
+                t(f"{a}norm.weight", (cfg["linear_value_head_dim"],)),
+                t(f"{a}out_proj.weight", (h, vd)),
+            ]
         for j in range(experts):
             e = f"{layer}mlp.experts.{j}."
-            out += [t(f"{e}down_proj.weight", (h, mi)), t(f"{e}gate_proj.weight", (mi, h)),
-                    t(f"{e}up_proj.weight", (mi, h))]
+            out += [
+                t(f"{e}down_proj.weight", (h, mi)),
+                t(f"{e}gate_proj.weight", (mi, h)),
+                t(f"{e}up_proj.weight", (mi, h)),
+            ]
         s = f"{layer}mlp.shared_expert."
-        out += [t(f"{layer}mlp.gate.weight", (experts, h)), t(f"{s}down_proj.weight", (h, si)),
-                t(f"{s}gate_proj.weight", (si, h)), t(f"{s}up_proj.weight", (si, h)),
-                t(f"{layer}mlp.shared_expert_gate.weight", (1, h)),
-                t(f"{layer}post_attention_layernorm.weight", (h,))]
+        out += [
+            t(f"{layer}mlp.gate.weight", (experts, h)),
+            t(f"{s}down_proj.weight", (h, si)),
+            t(f"{s}gate_proj.weight", (si, h)),
+            t(f"{s}up_proj.weight", (si, h)),
+            t(f"{layer}mlp.shared_expert_gate.weight", (1, h)),
+            t(f"{layer}post_attention_layernorm.weight", (h,)),
+        ]
         if kind == "full_attention":
             a = f"{layer}self_attn."
-            out += [t(f"{a}k_norm.weight", (hd,)), t(f"{a}k_proj.weight", (nkv * hd, h)),
-                    t(f"{a}o_proj.weight", (h, nh * hd)), t(f"{a}q_norm.weight", (hd,)),
-                    t(f"{a}q_proj.weight", (2 * nh * hd, h)),
-                    t(f"{a}v_proj.weight", (nkv * hd, h))]
+            out += [
+                t(f"{a}k_norm.weight", (hd,)),
+                t(f"{a}k_proj.weight", (nkv * hd, h)),
+                t(f"{a}o_proj.weight", (h, nh * hd)),
+                t(f"{a}q_norm.weight", (hd,)),
+                t(f"{a}q_proj.weight", (2 * nh * hd, h)),
+                t(f"{a}v_proj.weight", (nkv * hd, h)),
+            ]
     return [*out, t(f"{p}norm.weight", (h,)), t("lm_head.weight", (vocab, h))]
 
 
@@ -415,8 +530,9 @@ def reap(ckpt_root: Path) -> Path:
     out = ckpt_root / "qwen3.5-18b-reap"
     src = DATA / "qwen3.5-18b-reap" / "config.json"
     if not (out / "config.json").exists():
-        layout = synth.Layout(json.loads(src.read_text()),
-                              _qwen35_moe_text_tensors(json.loads(src.read_text())))
+        layout = synth.Layout(
+            json.loads(src.read_text()), _qwen35_moe_text_tensors(json.loads(src.read_text()))
+        )
         assert layout.nbytes == REAP_TOTAL_SIZE
         synth.write_checkpoint(out, layout, synth.shard(layout, num_shards=7), fill="sparse")
         shutil.copy(src, out / "config.json")
@@ -424,7 +540,8 @@ def reap(ckpt_root: Path) -> Path:
 
 
 def test_plan_flags_a_checkpoint_without_mtp_tensors(
-    reap: Path, capsys: pytest.CaptureFixture[str],
+    reap: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     result = plan_json(capsys, reap)
     assert (result["draft_class"], result["rule_source"]) == ("Qwen3_5MoeMTP", "vllm")
@@ -445,15 +562,17 @@ def test_plan_flags_a_checkpoint_without_mtp_tensors(
 
 
 def test_plan_flags_a_deepseek_export_without_its_mtp_layer(
-    ckpt_root: Path, capsys: pytest.CaptureFixture[str],
+    ckpt_root: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A DeepSeek-V3 re-export that dropped layer N (the MTP layer), as many quantized ones
     do: this layer's DeepSeekMTP rule still keeps the shared embedding, and nothing else."""
     model = ckpt_root / "deepseek-without-layer-n"
     layout = synth.deepseek_v3("tiny")
     if not model.exists():
-        body = synth.Layout(layout.config, [t for t in layout.tensors
-                                            if t.name not in layout.is_mtp])
+        body = synth.Layout(
+            layout.config, [t for t in layout.tensors if t.name not in layout.is_mtp]
+        )
         synth.write_checkpoint(model, body, synth.shard(body, num_shards=3))
     result = plan_json(capsys, model)
     assert (result["draft_class"], result["rule_source"]) == ("DeepSeekMTP", "hybrid-draft")
@@ -472,14 +591,17 @@ def qwen35_without_mtp(ckpt_root: Path) -> Path:
     out = ckpt_root / "qwen35-no-mtp"
     if not (out / "config.json").exists():
         layout = synth.qwen3_5("tiny")
-        body = synth.Layout(layout.config, [t for t in layout.tensors
-                                            if t.name not in layout.is_mtp])
+        body = synth.Layout(
+            layout.config, [t for t in layout.tensors if t.name not in layout.is_mtp]
+        )
         synth.write_checkpoint(out, body, synth.shard(body, num_shards=2))
     return out
 
 
 def test_load_time_decision_warns_before_vllm_fails(
-    qwen35_without_mtp: Path, events: Events, instanttensor_standin: Recorder,
+    qwen35_without_mtp: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     planned = plan_json(capsys, qwen35_without_mtp)["warnings"]
@@ -491,15 +613,18 @@ def test_load_time_decision_warns_before_vllm_fails(
     missing = {n.replace("mtp.", "model.", 1) for n in synth.qwen3_5("tiny").is_mtp}
     assert any(f"'{n}'" in str(info.value) for n in missing)
     records = events.all()
-    (decision,) = [e for e in records
-                   if e["event"] == "hybrid_draft.decision" and e["role"] == "draft"]
+    (decision,) = [
+        e for e in records if e["event"] == "hybrid_draft.decision" and e["role"] == "draft"
+    ]
     assert decision["warnings"] == planned
     failed = [i for i, e in enumerate(records) if e["event"] == "hybrid_draft.load_failed"]
     assert failed and records.index(decision) < failed[0]
 
 
 def test_a_fault_in_the_load_time_check_never_fails_the_load(
-    qwen35: Path, events: Events, instanttensor_standin: Recorder,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from hybrid_draft.adapter import checks
@@ -551,44 +676,75 @@ def _truncate(model: Path) -> None:
 #: name: (the tiny checkpoint a copy of which it breaks, how, what the error says).
 BAD_INPUTS: dict[str, tuple[str, Any, str]] = {
     "not_a_directory": ("qwen35", lambda m: shutil.rmtree(m), "not a directory"),
-    "no_shards": ("qwen35", lambda m: [p.unlink() for p in m.glob("*.safetensors*")],
-                  "no model.safetensors.index.json and no *.safetensors files"),
-    "index_names_a_missing_shard": ("qwen35", lambda m: _first_shard(m).unlink(),
-                                    "names shards that do not exist"),
-    "index_not_json": ("qwen35", lambda m: (m / "model.safetensors.index.json").write_text("{"),
-                       "not a safetensors index"),
-    "header_not_json": ("qwen35", lambda m: _bad_header(m, b"{not json"),
-                        "header is not JSON"),
-    "header_not_an_object": ("qwen35", lambda m: _bad_header(m, b"[1, 2]"),
-                             "header is a JSON list, not an object"),
+    "no_shards": (
+        "qwen35",
+        lambda m: [p.unlink() for p in m.glob("*.safetensors*")],
+        "no model.safetensors.index.json and no *.safetensors files",
+    ),
+    "index_names_a_missing_shard": (
+        "qwen35",
+        lambda m: _first_shard(m).unlink(),
+        "names shards that do not exist",
+    ),
+    "index_not_json": (
+        "qwen35",
+        lambda m: (m / "model.safetensors.index.json").write_text("{"),
+        "not a safetensors index",
+    ),
+    "header_not_json": ("qwen35", lambda m: _bad_header(m, b"{not json"), "header is not JSON"),
+    "header_not_an_object": (
+        "qwen35",
+        lambda m: _bad_header(m, b"[1, 2]"),
+        "header is a JSON list, not an object",
+    ),
     "header_without_offsets": (
-        "qwen35", lambda m: _bad_header(m, b'{"w": {"dtype": "BF16", "shape": [1]}}'),
-        "tensor 'w' has no valid dtype, shape and data_offsets"),
+        "qwen35",
+        lambda m: _bad_header(m, b'{"w": {"dtype": "BF16", "shape": [1]}}'),
+        "tensor 'w' has no valid dtype, shape and data_offsets",
+    ),
     "truncated_shard": ("qwen35", _truncate, "(truncated?)"),
-    "no_config": ("qwen35", lambda m: (m / "config.json").unlink(),
-                  "config.json: no such file"),
-    "config_not_json": ("qwen35", lambda m: (m / "config.json").write_text("{'a': 1"),
-                        "config.json: not valid JSON"),
-    "config_not_an_object": ("qwen35", lambda m: (m / "config.json").write_text("[]"),
-                             "config.json: holds a JSON list, not an object"),
+    "no_config": ("qwen35", lambda m: (m / "config.json").unlink(), "config.json: no such file"),
+    "config_not_json": (
+        "qwen35",
+        lambda m: (m / "config.json").write_text("{'a': 1"),
+        "config.json: not valid JSON",
+    ),
+    "config_not_an_object": (
+        "qwen35",
+        lambda m: (m / "config.json").write_text("[]"),
+        "config.json: holds a JSON list, not an object",
+    ),
     "config_invalid_for_its_model_type": (
-        "qwen35", lambda m: _edit_config(m, layer_types=["no_such_layer"]),
-        "config.json: vLLM cannot read it:"),
+        "qwen35",
+        lambda m: _edit_config(m, layer_types=["no_such_layer"]),
+        "config.json: vLLM cannot read it:",
+    ),
     "no_architectures": (
-        "qwen3", lambda m: _edit_config(m, model_type="no_such_type", architectures=None),
-        "config.json: names no architectures"),
+        "qwen3",
+        lambda m: _edit_config(m, model_type="no_such_type", architectures=None),
+        "config.json: names no architectures",
+    ),
     "unknown_architecture": (
-        "qwen3", lambda m: _edit_config(m, architectures=["NoSuchModelForCausalLM"]),
-        "architecture 'NoSuchModelForCausalLM' is not one vLLM"),
-    "no_mtp_for_the_architecture": ("qwen3", lambda m: None,
-                                    "has no MTP draft for Qwen3ForCausalLM"),
+        "qwen3",
+        lambda m: _edit_config(m, architectures=["NoSuchModelForCausalLM"]),
+        "architecture 'NoSuchModelForCausalLM' is not one vLLM",
+    ),
+    "no_mtp_for_the_architecture": (
+        "qwen3",
+        lambda m: None,
+        "has no MTP draft for Qwen3ForCausalLM",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_inputs_get_one_line_errors(case: str, qwen35: Path,
-                                        qwen3_pair: tuple[Path, Path], tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_inputs_get_one_line_errors(
+    case: str,
+    qwen35: Path,
+    qwen3_pair: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     base, breaks, message = BAD_INPUTS[case]
     model = _copy(qwen35 if base == "qwen35" else qwen3_pair[0], tmp_path / "model")
     breaks(model)
@@ -603,8 +759,9 @@ def test_bad_input_from_the_command_line(tmp_path: Path) -> None:
     """The same as a user sees it: exit 2, one line, no traceback."""
     out = run_plan(tmp_path)
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip() == (f"hybrid-draft plan: {tmp_path}: no "
-                                  "model.safetensors.index.json and no *.safetensors files")
+    assert out.stderr.strip() == (
+        f"hybrid-draft plan: {tmp_path}: no model.safetensors.index.json and no *.safetensors files"
+    )
 
 
 def test_header_reader_matches_safe_open(deepseek: Path) -> None:

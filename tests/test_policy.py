@@ -12,12 +12,23 @@ from hybrid_draft import policy
 from hybrid_draft.policy import Checkpoint, Request
 
 
-def draft(model: str = "org/m", revision: str | None = None, *, target: str = "org/m",
-          target_revision: str | None = None, fmt: str = "instanttensor",
-          explicit: str | None = None) -> Request:
-    return Request(role="draft", requested_format=fmt, method="mtp",
-                   explicit_draft_format=explicit, model=Checkpoint(model, revision),
-                   target=Checkpoint(target, target_revision))
+def draft(
+    model: str = "org/m",
+    revision: str | None = None,
+    *,
+    target: str = "org/m",
+    target_revision: str | None = None,
+    fmt: str = "instanttensor",
+    explicit: str | None = None,
+) -> Request:
+    return Request(
+        role="draft",
+        requested_format=fmt,
+        method="mtp",
+        explicit_draft_format=explicit,
+        model=Checkpoint(model, revision),
+        target=Checkpoint(target, target_revision),
+    )
 
 
 @pytest.mark.parametrize("mode", ["auto", "safetensors", "instanttensor", "selective"])
@@ -34,15 +45,18 @@ def test_other_formats_are_left_alone(mode: str) -> None:
     assert (d.action, d.reason) == ("kept", "explicit_draft_loader")
 
 
-@pytest.mark.parametrize(("mode", "same", "expected"), [
-    ("auto", True, ("switched", "same_checkpoint", "safetensors")),
-    ("auto", False, ("kept", "different_checkpoint", "instanttensor")),
-    ("safetensors", True, ("switched", "forced_safetensors", "safetensors")),
-    ("safetensors", False, ("switched", "forced_safetensors", "safetensors")),
-    ("instanttensor", True, ("kept", "mode_instanttensor", "instanttensor")),
-    ("selective", True, ("switched", "selective", "instanttensor_selective")),
-    ("selective", False, ("kept", "different_checkpoint", "instanttensor")),
-])
+@pytest.mark.parametrize(
+    ("mode", "same", "expected"),
+    [
+        ("auto", True, ("switched", "same_checkpoint", "safetensors")),
+        ("auto", False, ("kept", "different_checkpoint", "instanttensor")),
+        ("safetensors", True, ("switched", "forced_safetensors", "safetensors")),
+        ("safetensors", False, ("switched", "forced_safetensors", "safetensors")),
+        ("instanttensor", True, ("kept", "mode_instanttensor", "instanttensor")),
+        ("selective", True, ("switched", "selective", "instanttensor_selective")),
+        ("selective", False, ("kept", "different_checkpoint", "instanttensor")),
+    ],
+)
 def test_modes(mode: str, same: bool, expected: tuple[str, str, str]) -> None:
     d = policy.decide(draft(target="org/m" if same else "org/other"), mode)
     assert (d.action, d.reason, d.chosen_format) == expected
@@ -63,7 +77,12 @@ def test_unknown_mode_is_refused() -> None:
 def test_fall_back_keeps_the_switch_but_loads_lazily() -> None:
     d = policy.fall_back(policy.decide(draft(), "selective"), "no_cuda", "CUDA is not available")
     assert (d.action, d.reason, d.chosen_format, d.fallback, d.detail) == (
-        "switched", "selective_fallback", "safetensors", "no_cuda", "CUDA is not available")
+        "switched",
+        "selective_fallback",
+        "safetensors",
+        "no_cuda",
+        "CUDA is not available",
+    )
 
 
 # --- checkpoint identity ------------------------------------------------------------------
@@ -100,8 +119,15 @@ def test_model_weights_alias(tmp_path: Path) -> None:
 def test_policy_imports_no_vllm() -> None:
     import subprocess
 
-    code = ("import sys, hybrid_draft.policy; "
-            "print(sorted(m for m in ('vllm', 'torch', 'structlog') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={**os.environ, "HYBRID_DRAFT_DISABLE": "1"})
+    code = (
+        "import sys, hybrid_draft.policy; "
+        "print(sorted(m for m in ('vllm', 'torch', 'structlog') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "HYBRID_DRAFT_DISABLE": "1"},
+    )
     assert out.stdout.strip() == "[]"

@@ -53,8 +53,11 @@ class Consumed(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        hit = {self.names[id(a)] for a in tree_flatten((args, kwargs))[0]
-               if isinstance(a, torch.Tensor) and id(a) in self.names}
+        hit = {
+            self.names[id(a)]
+            for a in tree_flatten((args, kwargs))[0]
+            if isinstance(a, torch.Tensor) and id(a) in self.names
+        }
         out = func(*args, **kwargs)
         if hit:
             self.used |= hit
@@ -71,8 +74,11 @@ def consumed(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Consumed:
     mode = Consumed()
     real = default_loader.safetensors_weights_iterator
 
-    monkeypatch.setattr(default_loader, "safetensors_weights_iterator",
-                        lambda *args, **kwargs: tagged(mode, real(*args, **kwargs)))
+    monkeypatch.setattr(
+        default_loader,
+        "safetensors_weights_iterator",
+        lambda *args, **kwargs: tagged(mode, real(*args, **kwargs)),
+    )
     with mode:
         yield mode
 
@@ -80,8 +86,11 @@ def consumed(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Consumed:
 #: The proofs need every checkpoint tensor offered to ``load_weights``: the draft is loaded by
 #: vLLM's own (unfiltered) lazy iterator, which the user's explicit draft loader keeps, from a
 #: one-shard checkpoint, which shard pruning cannot thin.
-UNFILTERED = {"method": "mtp", "num_speculative_tokens": 1,
-              "draft_load_config": {"load_format": "safetensors"}}
+UNFILTERED = {
+    "method": "mtp",
+    "num_speculative_tokens": 1,
+    "draft_load_config": {"load_format": "safetensors"},
+}
 
 
 def one_shard(root: Path, name: str, layout: synth.Layout) -> Path:
@@ -97,7 +106,10 @@ def rule_keeps(model_dir: Path, draft: Any) -> set[str]:
 
 
 def test_deepseek_mtp_rule_is_exactly_what_load_weights_consumes(
-    ckpt_root: Path, consumed: Consumed, instanttensor_standin: Recorder, events: Events,
+    ckpt_root: Path,
+    consumed: Consumed,
+    instanttensor_standin: Recorder,
+    events: Events,
 ) -> None:
     model = one_shard(ckpt_root, "deepseek-1shard", synth.deepseek_v3("tiny", moe=False))
     loaded = load_target_and_draft(engine_config(model, speculative_config=UNFILTERED))
@@ -109,7 +121,10 @@ def test_deepseek_mtp_rule_is_exactly_what_load_weights_consumes(
 
 
 def test_glm4_moe_mtp_rule_is_exactly_what_load_weights_consumes(
-    ckpt_root: Path, consumed: Consumed, events: Events, monkeypatch: pytest.MonkeyPatch,
+    ckpt_root: Path,
+    consumed: Consumed,
+    events: Events,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The GLM MTP layer is MoE, and vLLM's CPU MoE kernels need vllm._C, which the CUDA
     wheel lacks: the real get_model (called by the V1 EagleProposer, as in serving) stops in
@@ -143,13 +158,21 @@ def test_glm4_moe_mtp_rule_is_exactly_what_load_weights_consumes(
 
 
 def test_pruning_never_hands_the_draft_target_only_shards(
-    deepseek: Path, instanttensor_standin: Recorder, filtered_reads: Recorder, events: Events,
+    deepseek: Path,
+    instanttensor_standin: Recorder,
+    filtered_reads: Recorder,
+    events: Events,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     shards = [p.name for p in sorted(deepseek.glob("*.safetensors"))]
-    target_only = [s.path.name for s in checkpoint.read_checkpoint(deepseek)
-                   if all(not t.name.startswith("model.layers.2.")
-                          and t.name != "model.embed_tokens.weight" for t in s.tensors)]
+    target_only = [
+        s.path.name
+        for s in checkpoint.read_checkpoint(deepseek)
+        if all(
+            not t.name.startswith("model.layers.2.") and t.name != "model.embed_tokens.weight"
+            for t in s.tensors
+        )
+    ]
     assert target_only, "the layout needs a shard holding target tensors only"
     for mode in ("auto", "instanttensor"):
         monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", mode)
@@ -169,7 +192,9 @@ def test_pruning_never_hands_the_draft_target_only_shards(
 
 
 def test_a_rule_that_keeps_too_little_fails_the_load(
-    ckpt_root: Path, instanttensor_standin: Recorder, monkeypatch: pytest.MonkeyPatch,
+    ckpt_root: Path,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Drop the shard holding the MTP shared head through a wrong rule: vLLM's own check."""
     layout = synth.deepseek_v3("tiny", moe=False)
@@ -305,14 +330,21 @@ def load_through_vllm(model: Path, f: Family, monkeypatch: pytest.MonkeyPatch) -
         raise _Loaded
 
     monkeypatch.setattr(default_loader.DefaultModelLoader, "load_weights", load_weights)
-    config = engine_config(model, load_format="safetensors", speculative_config={
-        "method": "mtp", "num_speculative_tokens": 1, **f.speculative}, **f.engine)
+    config = engine_config(
+        model,
+        load_format="safetensors",
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1, **f.speculative},
+        **f.engine,
+    )
     with set_current_vllm_config(config):
         ensure_model_parallel_initialized(1, 1)
         with pytest.raises(_Loaded):
             EagleProposer(config, torch.device("cpu"), runner=None)._get_model()
-    return built[0], config.model_config.hf_config, (
-        config.speculative_config.draft_model_config.hf_config)
+    return (
+        built[0],
+        config.model_config.hf_config,
+        (config.speculative_config.draft_model_config.hf_config),
+    )
 
 
 def load_directly(model: Path, f: Family, host: Path, consumed: Consumed) -> tuple:
@@ -334,8 +366,11 @@ def load_directly(model: Path, f: Family, host: Path, consumed: Consumed) -> tup
     def hf_config() -> Any:
         if f.direct_config == "registered":
             return _CONFIG_REGISTRY[raw["model_type"]](**raw)
-        subs = {k: PretrainedConfig(**v) for k, v in raw.items()
-                if isinstance(v, dict) and (k.endswith("config") or k == "decoder")}
+        subs = {
+            k: PretrainedConfig(**v)
+            for k, v in raw.items()
+            if isinstance(v, dict) and (k.endswith("config") or k == "decoder")
+        }
         return PretrainedConfig(**{**raw, **subs})
 
     def text(config: Any) -> Any:
@@ -366,7 +401,10 @@ def load_directly(model: Path, f: Family, host: Path, consumed: Consumed) -> tup
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_each_rule_is_exactly_what_its_load_weights_consumes(
-    name: str, ckpt_root: Path, deepseek: Path, consumed: Consumed,
+    name: str,
+    ckpt_root: Path,
+    deepseek: Path,
+    consumed: Consumed,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from hybrid_draft.adapter import rules
@@ -410,10 +448,21 @@ def test_a_subclass_sharing_load_weights_shares_the_rule(vllm_runtime: Any) -> N
 def test_rules_never_raise_and_answer_a_bool(vllm_runtime: Any) -> None:
     from hybrid_draft.adapter import rules
 
-    configs = [None, object(), types.SimpleNamespace(num_hidden_layers="x"),
-               types.SimpleNamespace(num_hidden_layers=61, num_nextn_predict_layers=None)]
-    names = ["", ".", "model.layers..x", "model.layers.99999999999999999999999.a",
-             "model.layers.-1.eh_proj.weight", "lm_head.weight", "x" * 10_000]
+    configs = [
+        None,
+        object(),
+        types.SimpleNamespace(num_hidden_layers="x"),
+        types.SimpleNamespace(num_hidden_layers=61, num_nextn_predict_layers=None),
+    ]
+    names = [
+        "",
+        ".",
+        "model.layers..x",
+        "model.layers.99999999999999999999999.a",
+        "model.layers.-1.eh_proj.weight",
+        "lm_head.weight",
+        "x" * 10_000,
+    ]
     for rule in rules.RULES.values():
         for config in configs:
             for name in names:
@@ -429,7 +478,8 @@ def test_every_shipped_rule_has_a_proof_on_real_vllm(vllm_runtime: Any) -> None:
 
 
 def test_rules_lists_every_draft_class_vllm_registers(
-    vllm_runtime: Any, capsys: pytest.CaptureFixture[str],
+    vllm_runtime: Any,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     import json
 
@@ -447,16 +497,16 @@ def test_rules_lists_every_draft_class_vllm_registers(
     assert [r["architecture"] for r in rows] == list(_SPECULATIVE_DECODING_MODELS)
     for r in rows:
         assert set(r) == {"architecture", "class", "kind", "rule", "detail"}
-        assert r["kind"] in ("mtp", "standalone") and r["rule"] in ("vllm", "hybrid-draft",
-                                                                       "none")
+        assert r["kind"] in ("mtp", "standalone") and r["rule"] in ("vllm", "hybrid-draft", "none")
     mtp = [r for r in rows if r["kind"] == "mtp"]
-    assert any(r["rule"] == "vllm" for r in mtp) and any(r["rule"] == "hybrid-draft"
-                                                          for r in mtp)
+    assert any(r["rule"] == "vllm" for r in mtp) and any(r["rule"] == "hybrid-draft" for r in mtp)
     # An MTP draft without a rule is one this platform cannot load at all.
     for r in mtp:
         if r["rule"] == "none":
-            assert ("does not import here" in r["detail"]
-                    or "no load_weights on this platform" in r["detail"]), r
+            assert (
+                "does not import here" in r["detail"]
+                or "no load_weights on this platform" in r["detail"]
+            ), r
     # Every rule we ship applies to a class vLLM registers (none is stale).
     listed = {r["class"] for r in rows if r["rule"] == "hybrid-draft"}
     assert {cls for _, cls in rules.RULES} <= listed
@@ -469,8 +519,11 @@ def test_doctor_says_how_many_mtp_classes_prune_their_checkpoint(vllm_runtime: A
 
     ok, line = doctor.check_rules()
     assert ok, line
-    m = re.match(r"rules: (\d+) of (\d+) MTP draft classes prune their checkpoint "
-                 r"\((\d+) vLLM, (\d+) hybrid-draft\)", line)
+    m = re.match(
+        r"rules: (\d+) of (\d+) MTP draft classes prune their checkpoint "
+        r"\((\d+) vLLM, (\d+) hybrid-draft\)",
+        line,
+    )
     assert m, line
     pruned, total, by_vllm, ours = map(int, m.groups())
     assert pruned == by_vllm + ours <= total and ours >= len(FAMILIES)

@@ -19,27 +19,40 @@ pytestmark = pytest.mark.vllm
 
 
 def test_selective_falls_back_to_lazy_without_cuda(
-    deepseek: Path, events: Events, instanttensor_standin: Recorder, lazy_spy: Recorder,
-    filtered_reads: Recorder, monkeypatch: pytest.MonkeyPatch,
+    deepseek: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    lazy_spy: Recorder,
+    filtered_reads: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", "selective")
     loaded = load_target_and_draft(engine_config(deepseek))
     (draft,) = events.decisions("draft")
     assert (draft["action"], draft["reason"], draft["chosen_format"]) == (
-        "switched", "selective_fallback", "safetensors")
+        "switched",
+        "selective_fallback",
+        "safetensors",
+    )
     assert (draft["fallback"], draft["detail"]) == (
-        "no_cuda", "CUDA is not available (vLLM platform: cpu)")
+        "no_cuda",
+        "CUDA is not available (vLLM platform: cpu)",
+    )
     # The fallback is the filtered lazy path: the embedding's shard and the MTP's, and in
     # them only the tensors the DeepSeekMTP rule keeps.
     assert not lazy_spy.calls and draft["tensor_filter"] is True
     assert len(filtered_reads.calls) == 2
     assert sorted(n for c in filtered_reads.calls for n in c["tensors"]) == sorted(
-        rule_keeps(deepseek, loaded.draft))
+        rule_keeps(deepseek, loaded.draft)
+    )
 
 
 def test_selective_falls_back_for_a_draft_class_without_a_rule(
-    qwen3_pair: tuple[Path, Path], events: Events, instanttensor_standin: Recorder,
-    lazy_spy: Recorder, monkeypatch: pytest.MonkeyPatch,
+    qwen3_pair: tuple[Path, Path],
+    events: Events,
+    instanttensor_standin: Recorder,
+    lazy_spy: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", "selective")
     target, _ = qwen3_pair
@@ -47,21 +60,24 @@ def test_selective_falls_back_for_a_draft_class_without_a_rule(
     load_target_and_draft(engine_config(target, speculative_config=spec), route="draft_model")
     (draft,) = events.decisions("draft")
     assert (draft["reason"], draft["fallback"]) == ("selective_fallback", "no_rule")
-    assert draft["detail"] == ("Qwen3ForCausalLM has no checkpoint-weight rule to plan its "
-                               "tensors with")
+    assert draft["detail"] == (
+        "Qwen3ForCausalLM has no checkpoint-weight rule to plan its tensors with"
+    )
     assert draft["tensor_filter"] is False
 
 
-def test_tensor_filter_support_is_detected(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch
-                                           ) -> None:
+def test_tensor_filter_support_is_detected(
+    vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import instanttensor
 
     from hybrid_draft.adapter import selective
 
     assert selective.tensor_filter_supported() is None  # the pinned 0.2.2
 
-    def older_safe_open(filename: Any, framework: str, device: Any, process_group: Any = None,
-                        *, copy: bool = True) -> None:  # 0.2.1's signature
+    def older_safe_open(
+        filename: Any, framework: str, device: Any, process_group: Any = None, *, copy: bool = True
+    ) -> None:  # 0.2.1's signature
         raise AssertionError("never called")
 
     monkeypatch.setattr(instanttensor, "safe_open", older_safe_open)
@@ -76,8 +92,11 @@ def test_an_empty_plan_is_a_fallback_reason(deepseek: Path, ckpt_root: Path) -> 
     from hybrid_draft.tools import synth
 
     layout = synth.deepseek_v3("tiny", moe=False)
-    body = [t for t in layout.tensors
-            if t.name not in layout.is_mtp and t.name != "model.embed_tokens.weight"]
+    body = [
+        t
+        for t in layout.tensors
+        if t.name not in layout.is_mtp and t.name != "model.embed_tokens.weight"
+    ]
     empty = ckpt_root / "deepseek-no-draft-tensors"
     if not empty.exists():
         synth.write_checkpoint(empty, layout, [body])
@@ -86,8 +105,7 @@ def test_an_empty_plan_is_a_fallback_reason(deepseek: Path, ckpt_root: Path) -> 
     draft = config.speculative_config.draft_model_config
     with set_current_vllm_config(config):
         blocker, plan = selective.preflight(calls.Call.resolve(config, draft))
-    assert blocker == ("empty_plan", "the DeepSeekMTP rule keeps none of the checkpoint's "
-                                     "tensors")
+    assert blocker == ("empty_plan", "the DeepSeekMTP rule keeps none of the checkpoint's tensors")
     assert plan is None
 
 
@@ -98,10 +116,23 @@ class SafeOpenRecorder:
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
 
-    def __call__(self, filename: list[str], framework: str, device: Any,
-                 process_group: Any = None, **kwargs: Any) -> Any:
-        self.calls.append({"files": [Path(f).name for f in filename], "framework": framework,
-                           "device": device, "process_group": process_group, **kwargs})
+    def __call__(
+        self,
+        filename: list[str],
+        framework: str,
+        device: Any,
+        process_group: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        self.calls.append(
+            {
+                "files": [Path(f).name for f in filename],
+                "framework": framework,
+                "device": device,
+                "process_group": process_group,
+                **kwargs,
+            }
+        )
         recorder = self
 
         class Handle:
@@ -127,7 +158,9 @@ class SafeOpenRecorder:
 
 
 def test_selective_loader_streams_exactly_the_planned_tensors(
-    deepseek: Path, events: Events, instanttensor_standin: Recorder,
+    deepseek: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The registered loader, reached the way vLLM reaches any loader (here: an explicit
@@ -140,8 +173,11 @@ def test_selective_loader_streams_exactly_the_planned_tensors(
     recorder = SafeOpenRecorder()
     monkeypatch.setattr(instanttensor, "safe_open", recorder)
     loaders.register(loaders.SELECTIVE)
-    spec = {"method": "mtp", "num_speculative_tokens": 1,
-            "draft_load_config": {"load_format": "instanttensor_selective"}}
+    spec = {
+        "method": "mtp",
+        "num_speculative_tokens": 1,
+        "draft_load_config": {"load_format": "instanttensor_selective"},
+    }
     loaded = load_target_and_draft(engine_config(deepseek, speculative_config=spec))
 
     shards = checkpoint.read_checkpoint(deepseek)
@@ -152,8 +188,9 @@ def test_selective_loader_streams_exactly_the_planned_tensors(
     assert len(set(call["tensor_filter"])) == len(call["tensor_filter"])
     assert call["tensor_name_match_mode"] == "exact"
     assert call["process_group"] is None and call["copy"] is True
-    assert call["files"] == sorted({s.path.name for s in shards
-                                    if any(t.name in planned for t in s.tensors)})
+    assert call["files"] == sorted(
+        {s.path.name for s in shards if any(t.name in planned for t in s.tensors)}
+    )
     assert len(call["files"]) < len(shards)
 
     values = {}
@@ -163,14 +200,19 @@ def test_selective_loader_streams_exactly_the_planned_tensors(
     n = config.num_hidden_layers
     # (the shared head and the embedding are replaced by the target's after loading)
     for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
-        assert torch.equal(params[f"model.layers.{n}.{name}"].detach(),
-                           values[f"model.layers.{n}.{name}"].float()), name
+        assert torch.equal(
+            params[f"model.layers.{n}.{name}"].detach(), values[f"model.layers.{n}.{name}"].float()
+        ), name
     for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
-        assert torch.equal(params[f"model.layers.{n}.mtp_block.{name}"].detach(),
-                           values[f"model.layers.{n}.{name}"].float()), name
+        assert torch.equal(
+            params[f"model.layers.{n}.mtp_block.{name}"].detach(),
+            values[f"model.layers.{n}.{name}"].float(),
+        ), name
     (draft,) = events.decisions("draft")
-    assert (draft["reason"], draft["chosen_format"]) == ("explicit_draft_loader",
-                                                         "instanttensor_selective")
+    assert (draft["reason"], draft["chosen_format"]) == (
+        "explicit_draft_loader",
+        "instanttensor_selective",
+    )
 
 
 def test_the_fallback_names_no_platform_when_vllm_detects_none(tmp_path: Path) -> None:
@@ -179,8 +221,17 @@ def test_the_fallback_names_no_platform_when_vllm_detects_none(tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
     env["VLLM_CACHE_ROOT"] = str(tmp_path)
     out = subprocess.run(
-        [sys.executable, "-c", "from hybrid_draft.adapter.selective import cuda_unavailable;"
-         "print(cuda_unavailable())"],
-        env=env, capture_output=True, text=True, check=True, timeout=300)
+        [
+            sys.executable,
+            "-c",
+            "from hybrid_draft.adapter.selective import cuda_unavailable;print(cuda_unavailable())",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     assert out.stdout.strip().splitlines()[-1] == (
-        "CUDA is not available (vLLM platform: none detected)")
+        "CUDA is not available (vLLM platform: none detected)"
+    )

@@ -39,19 +39,34 @@ def test_file_then_environment(tmp_path: Path) -> None:
     toml = '[draft]\nmode = "Safetensors "\n[log]\nlevel = "DEBUG"\nevents_file = "/x/e.jsonl"\n'
     s = load({}, toml, tmp_path)
     assert (s.mode.value, s.mode.source, s.mode.origin) == (
-        "safetensors", "file", f"{tmp_path / 'hybrid-draft.toml'}:2")
+        "safetensors",
+        "file",
+        f"{tmp_path / 'hybrid-draft.toml'}:2",
+    )
     assert (s.level.value, s.events_file.value) == ("debug", "/x/e.jsonl")
-    s = load({"INSTANTTENSOR_DRAFT_LOADER": " InstantTensor\n",
-              "HYBRID_DRAFT_EVENTS_FILE": " /y/e.jsonl"}, toml, tmp_path)
+    s = load(
+        {
+            "INSTANTTENSOR_DRAFT_LOADER": " InstantTensor\n",
+            "HYBRID_DRAFT_EVENTS_FILE": " /y/e.jsonl",
+        },
+        toml,
+        tmp_path,
+    )
     assert (s.mode.value, s.mode.source, s.mode.origin) == (
-        "instanttensor", "env", "INSTANTTENSOR_DRAFT_LOADER")
+        "instanttensor",
+        "env",
+        "INSTANTTENSOR_DRAFT_LOADER",
+    )
     assert s.events_file.value == " /y/e.jsonl"  # paths are taken as given
     assert s.level.source == "file"
 
 
 def test_empty_environment_variable_counts_as_unset(tmp_path: Path) -> None:
-    s = load({"INSTANTTENSOR_DRAFT_LOADER": "", "HYBRID_DRAFT_LOG_LEVEL": "  "},
-             '[draft]\nmode = "selective"\n', tmp_path)
+    s = load(
+        {"INSTANTTENSOR_DRAFT_LOADER": "", "HYBRID_DRAFT_LOG_LEVEL": "  "},
+        '[draft]\nmode = "selective"\n',
+        tmp_path,
+    )
     assert (s.mode.value, s.mode.source) == ("selective", "file")
     assert s.level.source == "default"
 
@@ -61,31 +76,46 @@ def test_dotted_keys_and_comments(tmp_path: Path) -> None:
     assert s.mode.origin.endswith(":2")
 
 
-@pytest.mark.parametrize(("env", "source", "fragment"), [
-    ({"INSTANTTENSOR_DRAFT_LOADER": "fast"}, "INSTANTTENSOR_DRAFT_LOADER", ACCEPTED_MODES),
-    ({"HYBRID_DRAFT_LOG_LEVEL": "loud"}, "HYBRID_DRAFT_LOG_LEVEL", "debug, info, warning, error"),
-])
-def test_bad_environment_values(env: dict[str, str], source: str, fragment: str,
-                                tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("env", "source", "fragment"),
+    [
+        ({"INSTANTTENSOR_DRAFT_LOADER": "fast"}, "INSTANTTENSOR_DRAFT_LOADER", ACCEPTED_MODES),
+        (
+            {"HYBRID_DRAFT_LOG_LEVEL": "loud"},
+            "HYBRID_DRAFT_LOG_LEVEL",
+            "debug, info, warning, error",
+        ),
+    ],
+)
+def test_bad_environment_values(
+    env: dict[str, str], source: str, fragment: str, tmp_path: Path
+) -> None:
     with pytest.raises(ConfigError) as info:
         settings.load({"HYBRID_DRAFT_CONFIG": str(tmp_path / "none.toml"), **env})
     assert info.value.source == source
     assert fragment in info.value.detail and repr(next(iter(env.values()))) in info.value.detail
 
 
-@pytest.mark.parametrize(("toml", "line", "fragment"), [
-    ('[draft]\nmode = "fast"\n', 2, ACCEPTED_MODES),
-    ('[draft]\nmode = 3\n', 2, "must be a string naming one of auto, safetensors"),
-    ('[draft]\nmode = "auto"\nloader = "x"\n', 3, "unknown key 'draft.loader'; accepted keys: "
-                                                  "draft.mode, log.level, log.events_file"),
-    ('[draft]\nmode = "auto"\n\n[cache]\nsize = 1\n', 4, "unknown key 'cache'"),
-    ('[log]\nevents_file = ""\n', 2, "non-empty path"),
-    ('[log]\nlevel = ["info"]\n', 2, "must be a string naming one of debug"),
-    ('draft = "auto"\n', 1, "'draft' must be a table"),
-    ('[draft]\nmode = "auto\n', 2, "invalid TOML"),
-])
-def test_bad_file_values_name_the_file_and_line(toml: str, line: int, fragment: str,
-                                                tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("toml", "line", "fragment"),
+    [
+        ('[draft]\nmode = "fast"\n', 2, ACCEPTED_MODES),
+        ("[draft]\nmode = 3\n", 2, "must be a string naming one of auto, safetensors"),
+        (
+            '[draft]\nmode = "auto"\nloader = "x"\n',
+            3,
+            "unknown key 'draft.loader'; accepted keys: draft.mode, log.level, log.events_file",
+        ),
+        ('[draft]\nmode = "auto"\n\n[cache]\nsize = 1\n', 4, "unknown key 'cache'"),
+        ('[log]\nevents_file = ""\n', 2, "non-empty path"),
+        ('[log]\nlevel = ["info"]\n', 2, "must be a string naming one of debug"),
+        ('draft = "auto"\n', 1, "'draft' must be a table"),
+        ('[draft]\nmode = "auto\n', 2, "invalid TOML"),
+    ],
+)
+def test_bad_file_values_name_the_file_and_line(
+    toml: str, line: int, fragment: str, tmp_path: Path
+) -> None:
     with pytest.raises(ConfigError) as info:
         load({}, toml, tmp_path)
     assert info.value.source == f"{tmp_path / 'hybrid-draft.toml'}:{line}"
@@ -119,8 +149,15 @@ def test_shipped_config_documents_every_key_with_its_default() -> None:
     s = settings.load({"HYBRID_DRAFT_CONFIG": str(shipped)})
     assert data == {"draft": {"mode": "auto"}, "log": {"level": "info"}}
     assert (s.mode.value, s.level.value, s.events_file.value) == ("auto", "info", None)
-    for key in ("mode", "level", "events_file", "INSTANTTENSOR_DRAFT_LOADER",
-                "HYBRID_DRAFT_LOG_LEVEL", "HYBRID_DRAFT_EVENTS_FILE", "HYBRID_DRAFT_CONFIG"):
+    for key in (
+        "mode",
+        "level",
+        "events_file",
+        "INSTANTTENSOR_DRAFT_LOADER",
+        "HYBRID_DRAFT_LOG_LEVEL",
+        "HYBRID_DRAFT_EVENTS_FILE",
+        "HYBRID_DRAFT_CONFIG",
+    ):
         assert key in text
     for mode in ACCEPTED_MODES.split(", "):
         assert mode in text
@@ -133,13 +170,17 @@ def test_config_command(tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "hybrid_draft", "config"]
     out = subprocess.run([*cli, "--json"], env=env, capture_output=True, text=True, check=True)
     data = json.loads(out.stdout)
-    assert data["settings"]["mode"] == {"value": "selective", "source": "file",
-                                        "origin": f"{path}:2"}
+    assert data["settings"]["mode"] == {
+        "value": "selective",
+        "source": "file",
+        "origin": f"{path}:2",
+    }
     assert data["settings"]["level"]["source"] == "env"
     assert data["config_file"] == {"path": str(path), "exists": True}
     human = subprocess.run(cli, env=env, capture_output=True, text=True, check=True).stdout
     assert "selective" in human and f"{path}:2" in human
-    bad = subprocess.run(cli, env={**env, "INSTANTTENSOR_DRAFT_LOADER": "nope"},
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        cli, env={**env, "INSTANTTENSOR_DRAFT_LOADER": "nope"}, capture_output=True, text=True
+    )
     assert bad.returncode != 0
     assert "INSTANTTENSOR_DRAFT_LOADER" in bad.stderr and ACCEPTED_MODES in bad.stderr

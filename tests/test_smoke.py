@@ -21,8 +21,9 @@ from hybrid_draft.tools import smoke
 pytestmark = pytest.mark.vllm
 
 
-def events_of_a_real_load(qwen35: Path, events: Events, mode: str,
-                          monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+def events_of_a_real_load(
+    qwen35: Path, events: Events, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> list[dict[str, Any]]:
     monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", mode)
     load_target_and_draft(engine_config(qwen35))
     return smoke.read_events(events.path.read_text().splitlines())
@@ -30,7 +31,10 @@ def events_of_a_real_load(qwen35: Path, events: Events, mode: str,
 
 @pytest.mark.parametrize("mode", ["auto", "safetensors", "instanttensor"])
 def test_events_checks_pass_for_the_configured_mode(
-    mode: str, qwen35: Path, events: Events, instanttensor_standin: Recorder,
+    mode: str,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     records = events_of_a_real_load(qwen35, events, mode, monkeypatch)
@@ -41,20 +45,26 @@ def test_events_checks_pass_for_the_configured_mode(
 
 
 def test_a_selective_fallback_for_want_of_cuda_passes_with_a_warning(
-    deepseek: Path, events: Events, instanttensor_standin: Recorder,
+    deepseek: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     records = events_of_a_real_load(deepseek, events, "selective", monkeypatch)
     target, draft = smoke.check_events(records, "selective")
     assert target.ok and draft.ok and draft.warning
-    assert draft.line().startswith("WARN draft decision: 1 draft decision(s) fell back to lazy "
-                                   "safetensors (no_cuda: CUDA is not available")
+    assert draft.line().startswith(
+        "WARN draft decision: 1 draft decision(s) fell back to lazy "
+        "safetensors (no_cuda: CUDA is not available"
+    )
     # The same events in another mode are no fallback at all: that mode's format is missing.
     assert not smoke.check_events(records, "instanttensor")[1].ok
 
 
 def test_a_selective_fallback_for_another_cause_fails_naming_it(
-    qwen3_pair: tuple[Path, Path], events: Events, instanttensor_standin: Recorder,
+    qwen3_pair: tuple[Path, Path],
+    events: Events,
+    instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A real ``no_rule`` fallback: a standalone draft whose class has no weight rule."""
@@ -67,7 +77,8 @@ def test_a_selective_fallback_for_another_cause_fails_naming_it(
     assert not draft.ok and not draft.warning
     assert draft.detail == (
         "mode selective fell back to lazy safetensors for another cause than a host without "
-        "CUDA: no_rule: Qwen3ForCausalLM has no checkpoint-weight rule to plan its tensors with")
+        "CUDA: no_rule: Qwen3ForCausalLM has no checkpoint-weight rule to plan its tensors with"
+    )
 
 
 def test_no_events_fail_every_events_check() -> None:
@@ -76,21 +87,25 @@ def test_no_events_fail_every_events_check() -> None:
 
 
 def test_loads_check_wants_a_loaded_event_for_target_and_draft(
-    qwen35: Path, events: Events, instanttensor_standin: Recorder,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     records = events_of_a_real_load(qwen35, events, "auto", monkeypatch)
     result = smoke.check_loads(records)
-    assert result.ok and result.detail.startswith(
-        "2 load(s) reported: target instanttensor in ")
-    no_draft = [e for e in records
-                if not (e["event"] == "hybrid_draft.loaded" and e["role"] == "draft")]
+    assert result.ok and result.detail.startswith("2 load(s) reported: target instanttensor in ")
+    no_draft = [
+        e for e in records if not (e["event"] == "hybrid_draft.loaded" and e["role"] == "draft")
+    ]
     missing = smoke.check_loads(no_draft)
     assert not missing.ok and missing.detail == "no hybrid_draft.loaded event for the draft"
 
 
 def test_loads_check_fails_on_a_failed_load(
-    qwen35: Path, events: Events, instanttensor_standin: Recorder,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from hybrid_draft.settings import ConfigError
@@ -100,8 +115,9 @@ def test_loads_check_fails_on_a_failed_load(
         load_target_and_draft(engine_config(qwen35))
     result = smoke.check_loads(smoke.read_events(events.path.read_text().splitlines()))
     assert not result.ok
-    assert result.detail.startswith("1 load(s) failed, e.g. the target: ConfigError: "
-                                    "INSTANTTENSOR_DRAFT_LOADER: 'fastest'")
+    assert result.detail.startswith(
+        "1 load(s) failed, e.g. the target: ConfigError: INSTANTTENSOR_DRAFT_LOADER: 'fastest'"
+    )
 
 
 def vllm_metrics_text(draft_tokens: int | None) -> str:
@@ -149,9 +165,14 @@ def protocol_bodies(model: str, texts: list[str]) -> tuple[dict[str, Any], list[
     from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList, UsageInfo
 
     models = ModelList(data=[ModelCard(id=model)]).model_dump(mode="json")
-    completions = [CompletionResponse(model=model, usage=UsageInfo(prompt_tokens=1),
-                                      choices=[CompletionResponseChoice(index=0, text=t)]
-                                      ).model_dump(mode="json") for t in texts]
+    completions = [
+        CompletionResponse(
+            model=model,
+            usage=UsageInfo(prompt_tokens=1),
+            choices=[CompletionResponseChoice(index=0, text=t)],
+        ).model_dump(mode="json")
+        for t in texts
+    ]
     return models, completions
 
 
@@ -188,34 +209,58 @@ class FakeServer(BaseHTTPRequestHandler):
 
 
 @pytest.mark.parametrize(("draft_tokens", "code"), [(4, 0), (0, 1)])
-def test_smoke_command_end_to_end(draft_tokens: int, code: int, qwen35: Path, events: Events,
-                                  instanttensor_standin: Recorder,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smoke_command_end_to_end(
+    draft_tokens: int,
+    code: int,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     events_of_a_real_load(qwen35, events, "auto", monkeypatch)
     models, completions = protocol_bodies("served", ["hello"])
-    FakeServer.bodies = {"/health": "", "/v1/models": json.dumps(models),
-                         "/v1/completions": json.dumps(completions[0]),
-                         "/metrics": vllm_metrics_text(draft_tokens)}
+    FakeServer.bodies = {
+        "/health": "",
+        "/v1/models": json.dumps(models),
+        "/v1/completions": json.dumps(completions[0]),
+        "/metrics": vllm_metrics_text(draft_tokens),
+    }
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         env = {**os.environ, "INSTANTTENSOR_DRAFT_LOADER": "", "SMOKE_MODEL": "served"}
         out = subprocess.run(
-            [sys.executable, "-m", "hybrid_draft", "smoke", "--url",
-             f"http://127.0.0.1:{server.server_port}", "--events-file", str(events.path),
-             "--wait", "5"], capture_output=True, text=True, env=env)
+            [
+                sys.executable,
+                "-m",
+                "hybrid_draft",
+                "smoke",
+                "--url",
+                f"http://127.0.0.1:{server.server_port}",
+                "--events-file",
+                str(events.path),
+                "--wait",
+                "5",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
     finally:
         server.shutdown()
     lines = out.stdout.splitlines()
     assert out.returncode == code, out.stdout + out.stderr
     assert [ln.split(":")[0] for ln in lines[:6]] == [
-        "PASS models", "PASS completions",
+        "PASS models",
+        "PASS completions",
         f"{'PASS' if draft_tokens else 'FAIL'} speculative metrics",
-        "PASS target decision", "PASS draft decision", "PASS loads"]
+        "PASS target decision",
+        "PASS draft decision",
+        "PASS loads",
+    ]
     # Then the events file's load report, as `hybrid-draft report` prints it, and the verdict.
     from hybrid_draft.tools import report
 
     summary = report.text(smoke.read_events(events.path.read_text().splitlines()))
-    assert "\n".join(lines[6:-1]).strip() == (
-        f"load report ({events.path}):\n{summary}")
+    assert "\n".join(lines[6:-1]).strip() == (f"load report ({events.path}):\n{summary}")
     assert lines[-1] == f"smoke: {6 - code} passed, {code} failed"

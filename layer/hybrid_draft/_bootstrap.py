@@ -29,20 +29,28 @@ def _report(stage: str, exc: BaseException) -> None:
     try:
         from hybrid_draft.events import emit
 
-        emit("hybrid_draft.patch_skipped", "warning", reason=f"{stage}: {exc!r}",
-             vllm_version=_vllm_version())
+        emit(
+            "hybrid_draft.patch_skipped",
+            "warning",
+            reason=f"{stage}: {exc!r}",
+            vllm_version=_vllm_version(),
+        )
     except BaseException:  # the interpreter must survive anything here: plain JSON instead
         try:
             import json
             import os
             import time
 
-            line = json.dumps({
-                "event": "hybrid_draft.patch_skipped", "level": "warning",
-                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "pid": os.getpid(), "reason": f"{stage}: {exc!r}",
-                "vllm_version": _vllm_version(),
-            })
+            line = json.dumps(
+                {
+                    "event": "hybrid_draft.patch_skipped",
+                    "level": "warning",
+                    "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "pid": os.getpid(),
+                    "reason": f"{stage}: {exc!r}",
+                    "vllm_version": _vllm_version(),
+                }
+            )
             sys.stderr.write(line + "\n")
         except BaseException:  # not even stderr: stay silent rather than break start-up
             pass

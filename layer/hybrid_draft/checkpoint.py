@@ -82,17 +82,24 @@ def read_shard(path: str | os.PathLike[str]) -> Shard:
             continue
         try:
             begin, end = meta["data_offsets"]
-            tensors.append(TensorInfo(name, meta["dtype"], tuple(meta["shape"]),
-                                      base + int(begin), base + int(end)))
+            tensors.append(
+                TensorInfo(
+                    name, meta["dtype"], tuple(meta["shape"]), base + int(begin), base + int(end)
+                )
+            )
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: tensor {name!r} has no valid dtype, shape and "
-                                  f"data_offsets in the header ({exc!r})") from None
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has no valid dtype, shape and "
+                f"data_offsets in the header ({exc!r})"
+            ) from None
     tensors.sort(key=lambda t: t.start)
     end = max((t.end for t in tensors), default=base)
     actual = os.stat(path).st_size
     if end > actual:
-        raise CheckpointError(f"{path}: the header places tensors up to byte {end:,} but the "
-                              f"file has {actual:,} bytes (truncated?)")
+        raise CheckpointError(
+            f"{path}: the header places tensors up to byte {end:,} but the "
+            f"file has {actual:,} bytes (truncated?)"
+        )
     return Shard(Path(path), tuple(tensors))
 
 
@@ -109,9 +116,11 @@ def shard_files(model_dir: str | os.PathLike[str]) -> list[Path]:
             if not all(isinstance(n, str) for n in names):
                 raise TypeError("shard names must be strings")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{index}: not a safetensors index (a JSON object whose "
-                                  f"weight_map maps tensor names to shard files): "
-                                  f"{exc!r}") from None
+            raise CheckpointError(
+                f"{index}: not a safetensors index (a JSON object whose "
+                f"weight_map maps tensor names to shard files): "
+                f"{exc!r}"
+            ) from None
         missing = [n for n in names if not (root / n).is_file()]
         if missing:
             raise CheckpointError(f"{index}: names shards that do not exist: {missing[:3]}")
@@ -128,7 +137,6 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> list[Shard]:
 
 def read_files(paths: Iterable[str | os.PathLike[str]]) -> list[Shard]:
     return [read_shard(p) for p in paths]
-
 
 
 @dataclass(frozen=True)
@@ -149,12 +157,14 @@ class Selection:
         return [n for names in self.files.values() for n in names]
 
     def summary(self) -> dict[str, int]:
-        return {"planned_shards": len(self.files), "planned_tensors": len(self.names),
-                "planned_bytes": self.nbytes}
+        return {
+            "planned_shards": len(self.files),
+            "planned_tensors": len(self.names),
+            "planned_bytes": self.nbytes,
+        }
 
 
-def select(files: Iterable[str | os.PathLike[str]], is_unused: Callable[[str], bool]
-           ) -> Selection:
+def select(files: Iterable[str | os.PathLike[str]], is_unused: Callable[[str], bool]) -> Selection:
     """The tensors ``is_unused`` keeps, from the shard headers (no tensor data is read)."""
     keep: dict[str, list[str]] = {}
     ranges: dict[str, list[tuple[int, int]]] = {}

@@ -17,8 +17,12 @@ from typing import Any
 
 import structlog
 
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-          "error": logging.ERROR}
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 
 def _add_pid(_logger: object, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
@@ -28,8 +32,7 @@ def _add_pid(_logger: object, _method: str, event_dict: dict[str, Any]) -> dict[
 
 def _contract_order(_logger: object, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
     """Put the four keys every event has first, so lines read well in a terminal."""
-    head = {k: event_dict.pop(k) for k in ("event", "level", "timestamp", "pid")
-            if k in event_dict}
+    head = {k: event_dict.pop(k) for k in ("event", "level", "timestamp", "pid") if k in event_dict}
     return {**head, **event_dict}
 
 
@@ -69,10 +72,18 @@ class JsonLinesSink:
         except OSError as exc:
             if not self._file_error_reported:
                 self._file_error_reported = True
-                sys.stderr.write(json.dumps({
-                    "event": "hybrid_draft.events_file_error", "level": "warning",
-                    "pid": os.getpid(), "events_file": self.events_file, "detail": str(exc),
-                }) + "\n")
+                sys.stderr.write(
+                    json.dumps(
+                        {
+                            "event": "hybrid_draft.events_file_error",
+                            "level": "warning",
+                            "pid": os.getpid(),
+                            "events_file": self.events_file,
+                            "detail": str(exc),
+                        }
+                    )
+                    + "\n"
+                )
 
 
 @lru_cache(maxsize=8)
@@ -92,13 +103,15 @@ def logger(level: str = "info", events_file: str | None = None) -> Any:
     )
 
 
-def emit(event: str, level: str = "info", *, sink: tuple[str, str | None] | None = None,
-         **fields: Any) -> None:
+def emit(
+    event: str, level: str = "info", *, sink: tuple[str, str | None] | None = None, **fields: Any
+) -> None:
     """Write one event; ``sink`` is (level, events_file), read from the settings if omitted."""
     if sink is None:
         from hybrid_draft import settings
 
         current, _ = settings.load_lenient()
-        sink = ((current.level.value, current.events_file.value) if current
-                else settings.event_sink())
+        sink = (
+            (current.level.value, current.events_file.value) if current else settings.event_sink()
+        )
     getattr(logger(*sink), level)(event, **fields)

@@ -47,16 +47,16 @@ MODES = ("instanttensor", "instanttensor_pruned", "lazy", "lazy_pruned", "auto",
 #: Warning codes (stable) and what each means; ``detail`` says it for the checkpoint at hand.
 WARNINGS = {
     "no_draft_tensors": "the config declares MTP layers but the shards hold none of the "
-                        "draft's own tensors: vLLM cannot load this draft",
+    "draft's own tensors: vLLM cannot load this draft",
     "no_rule": "the draft class has no checkpoint-weight rule: every mode opens every shard, "
-               "lazy ones touch every tensor, and selective falls back",
+    "lazy ones touch every tensor, and selective falls back",
     "draft_class_unavailable": "vLLM cannot import the draft class on this host, so its "
-                               "rule is unknown here",
+    "rule is unknown here",
     "needs_trust_remote_code": "the config's model type is defined by code shipped with the "
-                               "checkpoint: vLLM loads it only with --trust-remote-code",
+    "checkpoint: vLLM loads it only with --trust-remote-code",
     "unknown_model_type": "neither transformers nor vLLM knows the config's model type",
     "unsupported_architecture": "vLLM does not register the checkpoint's architecture: it "
-                                "cannot load the target",
+    "cannot load the target",
 }
 
 
@@ -84,8 +84,12 @@ class Reads:
     detail: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"shards": self.shards, "tensors": self.tensors,
-                               "bytes": self.nbytes, "touched_tensors": self.touched_tensors}
+        out: dict[str, Any] = {
+            "shards": self.shards,
+            "tensors": self.tensors,
+            "bytes": self.nbytes,
+            "touched_tensors": self.touched_tensors,
+        }
         if self.fallback:
             out.update(fallback=self.fallback, detail=self.detail)
         return out
@@ -133,9 +137,13 @@ def evaluated(shards: list[Shard], rule: Rule | None) -> Rule | None:
     return unused.__contains__
 
 
-def modes(shards: list[Shard], is_unused: Rule | None, vllm_rule: Rule | None,
-          selective_blocker: tuple[str, str] | None = None, draft_class: str = "draft"
-          ) -> dict[str, Reads]:
+def modes(
+    shards: list[Shard],
+    is_unused: Rule | None,
+    vllm_rule: Rule | None,
+    selective_blocker: tuple[str, str] | None = None,
+    draft_class: str = "draft",
+) -> dict[str, Reads]:
     """Reads per row (see the module doc).
 
     ``is_unused``: the draft's effective rule (None: it has none); ``vllm_rule``: the rule
@@ -152,17 +160,28 @@ def modes(shards: list[Shard], is_unused: Rule | None, vllm_rule: Rule | None,
     pruned = prune(shards, is_unused)
     if is_unused is None:
         auto = _lazy(shards, None)
-        blocker = ("no_rule", f"{draft_class} has no checkpoint-weight rule to plan its "
-                              "tensors with")
+        blocker = (
+            "no_rule",
+            f"{draft_class} has no checkpoint-weight rule to plan its tensors with",
+        )
     else:
         selected = _selected(shards, is_unused)
         auto = selected if selected.shards else _lazy(pruned, is_unused)
-        blocker = None if selected.shards else (
-            "empty_plan", f"the {draft_class} rule keeps none of the checkpoint's tensors")
+        blocker = (
+            None
+            if selected.shards
+            else ("empty_plan", f"the {draft_class} rule keeps none of the checkpoint's tensors")
+        )
     blocker = blocker or selective_blocker
     if blocker:
-        selective = Reads(auto.shards, auto.tensors, auto.nbytes, auto.touched_tensors,
-                          fallback=blocker[0], detail=blocker[1])
+        selective = Reads(
+            auto.shards,
+            auto.tensors,
+            auto.nbytes,
+            auto.touched_tensors,
+            fallback=blocker[0],
+            detail=blocker[1],
+        )
     else:
         selective = auto
     return {
@@ -175,9 +194,13 @@ def modes(shards: list[Shard], is_unused: Rule | None, vllm_rule: Rule | None,
     }
 
 
-def warnings(shards: list[Shard], draft_class: str | None, is_unused: Rule | None,
-             mtp_layers: int | None, notes: Iterable[tuple[str, str]] = ()
-             ) -> list[dict[str, str]]:
+def warnings(
+    shards: list[Shard],
+    draft_class: str | None,
+    is_unused: Rule | None,
+    mtp_layers: int | None,
+    notes: Iterable[tuple[str, str]] = (),
+) -> list[dict[str, str]]:
     """What would make this draft's load fail or waste reads (codes: :data:`WARNINGS`).
 
     ``notes``: findings of the caller's own (e.g. from reading the config), kept first.
@@ -188,38 +211,66 @@ def warnings(shards: list[Shard], draft_class: str | None, is_unused: Rule | Non
         return out
     tensors = sum(len(s.tensors) for s in shards)
     if is_unused is None:
-        out.append({"code": "no_rule", "detail": (
-            f"{draft_class} has no checkpoint-weight rule: every mode opens all "
-            f"{len(shards)} shards, lazy ones touch all {tensors:,} tensors, and selective "
-            "falls back")})
+        out.append(
+            {
+                "code": "no_rule",
+                "detail": (
+                    f"{draft_class} has no checkpoint-weight rule: every mode opens all "
+                    f"{len(shards)} shards, lazy ones touch all {tensors:,} tensors, and selective "
+                    "falls back"
+                ),
+            }
+        )
         return out
     kept = [t.name for s in shards for t in s.tensors if not is_unused(t.name)]
     if not any(is_own_tensor(n) for n in kept):
-        declared = ("declares no MTP layers" if not mtp_layers else
-                    f"declares {mtp_layers} MTP layer{'s' if mtp_layers != 1 else ''}")
-        shared = (f", only the {len(kept)} it shares with the target ({', '.join(kept[:3])}"
-                  f"{', ...' if len(kept) > 3 else ''})" if kept else "")
-        out.append({"code": "no_draft_tensors", "detail": (
-            f"the config {declared} but the {len(shards)} shards hold none of "
-            f"{draft_class}'s own tensors{shared}: vLLM cannot load this draft")})
+        declared = (
+            "declares no MTP layers"
+            if not mtp_layers
+            else f"declares {mtp_layers} MTP layer{'s' if mtp_layers != 1 else ''}"
+        )
+        shared = (
+            f", only the {len(kept)} it shares with the target ({', '.join(kept[:3])}"
+            f"{', ...' if len(kept) > 3 else ''})"
+            if kept
+            else ""
+        )
+        out.append(
+            {
+                "code": "no_draft_tensors",
+                "detail": (
+                    f"the config {declared} but the {len(shards)} shards hold none of "
+                    f"{draft_class}'s own tensors{shared}: vLLM cannot load this draft"
+                ),
+            }
+        )
     return out
 
 
 def auto_decision() -> policy.Decision:
     """What mode ``auto`` decides for a same-checkpoint draft of an InstantTensor target."""
     same = policy.Checkpoint(model=".")
-    request = policy.Request(role="draft", requested_format=policy.INSTANTTENSOR, method="mtp",
-                             model=same, target=same)
+    request = policy.Request(
+        role="draft", requested_format=policy.INSTANTTENSOR, method="mtp", model=same, target=same
+    )
     return policy.decide(request, "auto")
 
 
-def report(model_dir: str, draft_class: str | None, rule_source: str, shards: list[Shard],
-           reads: dict[str, Reads], found: list[dict[str, str]] | None = None
-           ) -> dict[str, Any]:
+def report(
+    model_dir: str,
+    draft_class: str | None,
+    rule_source: str,
+    shards: list[Shard],
+    reads: dict[str, Reads],
+    found: list[dict[str, str]] | None = None,
+) -> dict[str, Any]:
     """The JSON object of ``plan --json`` (CONTRACT.md)."""
     decision = auto_decision()
-    auto = {"action": decision.action, "reason": decision.reason,
-            "chosen_format": decision.chosen_format}
+    auto = {
+        "action": decision.action,
+        "reason": decision.reason,
+        "chosen_format": decision.chosen_format,
+    }
     if decision.chosen_format == policy.SAFETENSORS:
         auto["tensor_filter"] = rule_source != "none"
     return {

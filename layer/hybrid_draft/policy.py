@@ -41,9 +41,16 @@ Action = Literal["kept", "switched"]
 #: Every ``reason`` a decision event can carry. ``layer_error`` is the adapter's: the layer
 #: itself failed on a call, which then loads exactly as vLLM would without it.
 REASONS = (
-    "target_model", "not_instanttensor", "mode_instanttensor", "explicit_draft_loader",
-    "different_checkpoint", "same_checkpoint", "forced_safetensors", "selective",
-    "selective_fallback", "layer_error",
+    "target_model",
+    "not_instanttensor",
+    "mode_instanttensor",
+    "explicit_draft_loader",
+    "different_checkpoint",
+    "same_checkpoint",
+    "forced_safetensors",
+    "selective",
+    "selective_fallback",
+    "layer_error",
 )
 
 
@@ -136,10 +143,13 @@ def decide(request: Request, mode: str) -> Decision:
     if mode == "safetensors":
         return switched("forced_safetensors")
     if mode not in ("auto", "selective"):
-        raise ValueError(f"mode={mode!r}: accepted values are auto, safetensors, "
-                         "instanttensor, selective")
-    if request.model is None or request.target is None or not same_checkpoint(
-        request.model, request.target
+        raise ValueError(
+            f"mode={mode!r}: accepted values are auto, safetensors, instanttensor, selective"
+        )
+    if (
+        request.model is None
+        or request.target is None
+        or not same_checkpoint(request.model, request.target)
     ):
         return kept("different_checkpoint")
     if mode == "selective":
@@ -149,5 +159,10 @@ def decide(request: Request, mode: str) -> Decision:
 
 def fall_back(decision: Decision, code: str, detail: str) -> Decision:
     """A selective decision that cannot stream selectively: lazy safetensors instead."""
-    return replace(decision, reason="selective_fallback", chosen_format=SAFETENSORS,
-                   detail=detail, fallback=code)
+    return replace(
+        decision,
+        reason="selective_fallback",
+        chosen_format=SAFETENSORS,
+        detail=detail,
+        fallback=code,
+    )

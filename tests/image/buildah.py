@@ -22,20 +22,23 @@ PREFIX = "hybrid-draft-image-test-"
 ISOLATION = "chroot"
 
 
-def buildah(*args: str, check: bool = True, timeout: float | None = None,
-            log: Path | None = None) -> subprocess.CompletedProcess[str]:
+def buildah(
+    *args: str, check: bool = True, timeout: float | None = None, log: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run buildah; with ``log``, stdout and stderr go (together) to that file instead."""
     if log is None:
-        out = subprocess.run(["buildah", *args], capture_output=True, text=True,
-                             timeout=timeout)
+        out = subprocess.run(["buildah", *args], capture_output=True, text=True, timeout=timeout)
     else:
         with open(log, "w") as f:
-            out = subprocess.run(["buildah", *args], stdout=f, stderr=subprocess.STDOUT,
-                                 text=True, timeout=timeout)
+            out = subprocess.run(
+                ["buildah", *args], stdout=f, stderr=subprocess.STDOUT, text=True, timeout=timeout
+            )
         out.stdout = log.read_text()
     if check and out.returncode != 0:
-        raise RuntimeError(f"buildah {' '.join(args)} exited {out.returncode}:\n"
-                           f"{(out.stdout or '')[-4000:]}{(out.stderr or '')[-4000:]}")
+        raise RuntimeError(
+            f"buildah {' '.join(args)} exited {out.returncode}:\n"
+            f"{(out.stdout or '')[-4000:]}{(out.stderr or '')[-4000:]}"
+        )
     return out
 
 
@@ -59,21 +62,37 @@ def image_id(ref: str) -> str:
 def image_names(repository: str) -> list[str]:
     """Every ``name:tag`` in local storage whose repository is ``repository``."""
     rows = json.loads(buildah("images", "--json").stdout or "null") or []
-    return [n for row in rows for n in row.get("names") or []
-            if n.rsplit(":", 1)[0] == repository]
+    return [n for row in rows for n in row.get("names") or [] if n.rsplit(":", 1)[0] == repository]
 
 
 def remove_image(ref: str) -> None:
     buildah("rmi", ref, check=False)
 
 
-def build(dockerfile: Path, context: Path, tag: str, *, build_args: dict[str, str],
-          build_contexts: dict[str, Path] | None = None, log: Path,
-          extra: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+def build(
+    dockerfile: Path,
+    context: Path,
+    tag: str,
+    *,
+    build_args: dict[str, str],
+    build_contexts: dict[str, Path] | None = None,
+    log: Path,
+    extra: Sequence[str] = (),
+) -> subprocess.CompletedProcess[str]:
     """``buildah bud`` with chroot isolation; never raises on a failed build (the caller
     reads the log). Intermediate containers go even when it fails."""
-    argv = ["bud", "--isolation", ISOLATION, "--force-rm", "--layers=false",
-            "-f", str(dockerfile), "-t", tag, *extra]
+    argv = [
+        "bud",
+        "--isolation",
+        ISOLATION,
+        "--force-rm",
+        "--layers=false",
+        "-f",
+        str(dockerfile),
+        "-t",
+        tag,
+        *extra,
+    ]
     for k, v in build_args.items():
         argv += ["--build-arg", f"{k}={v}"]
     for k, v in (build_contexts or {}).items():
@@ -143,16 +162,23 @@ class Container:
         self.name = PREFIX + self.name
         buildah("rm", self.name, check=False)
         add_hosts = [f"--add-host={name}:{addr}" for name, addr in self.hosts.items()]
-        self.id = buildah("from", "--pull-never", "--name", self.name, "-q", *add_hosts,
-                          self.image).stdout.strip()
+        self.id = buildah(
+            "from", "--pull-never", "--name", self.name, "-q", *add_hosts, self.image
+        ).stdout.strip()
 
     def mount(self) -> Path:
         if self.mounted is None:
             self.mounted = Path(buildah("mount", self.id).stdout.strip())
         return self.mounted
 
-    def run_argv(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
-                 volumes: Sequence[str] = (), netns: str | None = None) -> list[str]:
+    def run_argv(
+        self,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        volumes: Sequence[str] = (),
+        netns: str | None = None,
+    ) -> list[str]:
         """The command line of ``buildah run`` for ``argv`` (inside ``netns`` when given)."""
         cmd = ["buildah", "run", "--isolation", ISOLATION]
         for k, v in (env or {}).items():
@@ -165,17 +191,23 @@ class Container:
         # another run holds are missing.
         return ["nsenter", f"--net=/run/netns/{netns}", *cmd] if netns else cmd
 
-    def run(self, argv: Sequence[str], *, timeout: float | None = None,
-            **kw: Any) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.run_argv(argv, **kw), capture_output=True, text=True,
-                              timeout=timeout)
+    def run(
+        self, argv: Sequence[str], *, timeout: float | None = None, **kw: Any
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.run_argv(argv, **kw), capture_output=True, text=True, timeout=timeout
+        )
 
     def start(self, argv: Sequence[str], *, log: Path, **kw: Any) -> subprocess.Popen[bytes]:
         """Start ``argv`` in the background, in a session of its own (stopped by :meth:`stop`)."""
         with open(log, "ab") as f:
-            proc = subprocess.Popen(self.run_argv(argv, **kw), stdout=f,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                self.run_argv(argv, **kw),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 

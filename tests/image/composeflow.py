@@ -36,8 +36,17 @@ from buildfiles import REPO, compose
 CPU_RUN = Path(__file__).with_name("cpu-run.yaml")
 #: Service keys this runner carries out (the others must be listed in cpu-run.yaml's
 #: ``not_applied``, with why).
-HANDLED = {"image", "entrypoint", "command", "environment", "volumes", "healthcheck",
-           "depends_on", "restart", "init"}
+HANDLED = {
+    "image",
+    "entrypoint",
+    "command",
+    "environment",
+    "volumes",
+    "healthcheck",
+    "depends_on",
+    "restart",
+    "init",
+}
 HEALTH_CAP_S = float(os.environ.get("HYBRID_DRAFT_IMAGE_TEST_HEALTH_TIMEOUT", "900"))
 
 
@@ -99,8 +108,7 @@ def argv_of(svc: dict[str, Any], image_cfg: dict[str, Any]) -> list[str]:
         command = as_list(svc.get("command")) or []
     else:
         entry = list(image_cfg.get("Entrypoint") or [])
-        command = as_list(svc["command"]) if "command" in svc else list(image_cfg.get("Cmd")
-                                                                          or [])
+        command = as_list(svc["command"]) if "command" in svc else list(image_cfg.get("Cmd") or [])
     return [*entry, *(command or [])]
 
 
@@ -151,8 +159,7 @@ def network_namespace(name: str) -> Iterator[str]:
     subprocess.run(["ip", "netns", "delete", name], capture_output=True)
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
-        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
-                       check=True)
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
         yield name
     finally:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
@@ -166,8 +173,12 @@ def remove_leftover_namespaces() -> None:
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
-def resolve(variables: dict[str, str], named: dict[str, Path], standin: dict[str, str],
-            image_cfg: dict[str, dict[str, Any]]) -> list[Service]:
+def resolve(
+    variables: dict[str, str],
+    named: dict[str, Path],
+    standin: dict[str, str],
+    image_cfg: dict[str, dict[str, Any]],
+) -> list[Service]:
     """compose.yaml's services under ``variables``, in ``depends_on`` order, with the CPU
     run's additions."""
     cpu = cpu_run()
@@ -177,9 +188,11 @@ def resolve(variables: dict[str, str], named: dict[str, Path], standin: dict[str
         extra = cpu.get("services", {}).get(name, {})
         unknown = set(svc) - HANDLED - set(extra.get("not_applied", {}))
         if unknown:
-            raise ValueError(f"compose.yaml's service {name} has {sorted(unknown)}, which the "
-                             f"image test neither runs nor lists in {CPU_RUN.name} "
-                             "(not_applied)")
+            raise ValueError(
+                f"compose.yaml's service {name} has {sorted(unknown)}, which the "
+                f"image test neither runs nor lists in {CPU_RUN.name} "
+                "(not_applied)"
+            )
         cfg = image_cfg[svc["image"]]
         argv = argv_of(svc, cfg) + list(extra.get("append_command", []))
         env = {**as_env(svc.get("environment")), **as_env(extra.get("environment"))}
@@ -190,24 +203,37 @@ def resolve(variables: dict[str, str], named: dict[str, Path], standin: dict[str
         deps = svc.get("depends_on", {})
         if isinstance(deps, list):
             deps = {d: {"condition": "service_started"} for d in deps}
-        s = Service(name=name, image=svc["image"], argv=argv, env=env, volumes=volumes,
-                    depends_on={d: c.get("condition", "service_started")
-                                for d, c in deps.items()})
+        s = Service(
+            name=name,
+            image=svc["image"],
+            argv=argv,
+            env=env,
+            volumes=volumes,
+            depends_on={d: c.get("condition", "service_started") for d, c in deps.items()},
+        )
         hc = svc.get("healthcheck")
         if hc and not hc.get("disable"):
             test = hc["test"]
-            s.health = (["sh", "-c", test[1]] if test[0] == "CMD-SHELL" else test[1:]) \
-                if isinstance(test, list) else ["sh", "-c", test]
+            s.health = (
+                (["sh", "-c", test[1]] if test[0] == "CMD-SHELL" else test[1:])
+                if isinstance(test, list)
+                else ["sh", "-c", test]
+            )
             interval = duration(hc.get("interval"), 30)
             s.health_interval = duration(hc.get("start_interval"), interval)
             s.health_timeout = duration(hc.get("timeout"), 30)
-            s.health_deadline = min(duration(hc.get("start_period"), 0)
-                                    + interval * int(hc.get("retries", 3)), HEALTH_CAP_S)
+            s.health_deadline = min(
+                duration(hc.get("start_period"), 0) + interval * int(hc.get("retries", 3)),
+                HEALTH_CAP_S,
+            )
         services[name] = s
     order: list[Service] = []
     while len(order) < len(services):
-        ready = [s for s in services.values() if s not in order
-                 and all(services[d] in order for d in s.depends_on)]
+        ready = [
+            s
+            for s in services.values()
+            if s not in order and all(services[d] in order for d in s.depends_on)
+        ]
         if not ready:
             raise ValueError("compose.yaml's depends_on has a cycle")
         order += ready
@@ -220,18 +246,22 @@ def wait_healthy(s: Service, netns: str) -> float:
     start = time.monotonic()
     while True:
         if s.proc is not None and s.proc.poll() is not None:
-            raise RuntimeError(f"service {s.name} exited ({s.proc.returncode}) before it was "
-                               f"healthy:\n{tail(s.log)}")
+            raise RuntimeError(
+                f"service {s.name} exited ({s.proc.returncode}) before it was "
+                f"healthy:\n{tail(s.log)}"
+            )
         try:
-            out = s.container.run(s.health, env=s.env, netns=netns, volumes=s.volumes,
-                                  timeout=s.health_timeout)
+            out = s.container.run(
+                s.health, env=s.env, netns=netns, volumes=s.volumes, timeout=s.health_timeout
+            )
             if out.returncode == 0:
                 return time.monotonic() - start
         except subprocess.TimeoutExpired:
             pass
         if time.monotonic() - start > s.health_deadline:
-            raise TimeoutError(f"service {s.name} not healthy after {s.health_deadline:.0f} s:"
-                               f"\n{tail(s.log)}")
+            raise TimeoutError(
+                f"service {s.name} not healthy after {s.health_deadline:.0f} s:\n{tail(s.log)}"
+            )
         time.sleep(s.health_interval)
 
 
@@ -241,9 +271,15 @@ def tail(path: Path | None, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def up(variables: dict[str, str], *, work: Path, named: dict[str, Path],
-       standin: dict[str, str], image_cfg: dict[str, dict[str, Any]],
-       exit_timeout: float = 900) -> FlowResult:
+def up(
+    variables: dict[str, str],
+    *,
+    work: Path,
+    named: dict[str, Path],
+    standin: dict[str, str],
+    image_cfg: dict[str, dict[str, Any]],
+    exit_timeout: float = 900,
+) -> FlowResult:
     """``docker compose up --exit-code-from X`` for the one service nothing depends on, X.
 
     Every container and process it starts is stopped and removed before it returns."""
@@ -252,8 +288,9 @@ def up(variables: dict[str, str], *, work: Path, named: dict[str, Path],
     (exit_service,) = [s for s in services if s.name not in needed]
     work.mkdir(parents=True, exist_ok=True)
     netns = f"{buildah.PREFIX}{os.getpid()}"
-    result = FlowResult(exit_service.name, -1, {s.name: work / f"{s.name}.log"
-                                               for s in services}, named)
+    result = FlowResult(
+        exit_service.name, -1, {s.name: work / f"{s.name}.log" for s in services}, named
+    )
     t0 = time.monotonic()
     hosts = {s.name: "127.0.0.1" for s in services}
     with network_namespace(netns):
@@ -264,16 +301,20 @@ def up(variables: dict[str, str], *, work: Path, named: dict[str, Path],
                         raise ValueError(f"depends_on condition {condition} is not handled")
                 s.log = result.logs[s.name]
                 s.container = buildah.Container(s.image, f"{s.name}-{os.getpid()}", hosts)
-                s.proc = s.container.start(s.argv, env=s.env, volumes=s.volumes,
-                                           netns=netns, log=s.log)
+                s.proc = s.container.start(
+                    s.argv, env=s.env, volumes=s.volumes, netns=netns, log=s.log
+                )
                 if s is exit_service:
                     try:
                         result.returncode = s.proc.wait(timeout=exit_timeout)
                     except subprocess.TimeoutExpired:
-                        raise TimeoutError(f"service {s.name} still running after "
-                                           f"{exit_timeout:.0f} s:\n{tail(s.log)}") from None
+                        raise TimeoutError(
+                            f"service {s.name} still running after "
+                            f"{exit_timeout:.0f} s:\n{tail(s.log)}"
+                        ) from None
                 elif s.health is not None and any(
-                        t.depends_on.get(s.name) == "service_healthy" for t in services):
+                    t.depends_on.get(s.name) == "service_healthy" for t in services
+                ):
                     result.seconds[f"{s.name}_healthy_s"] = wait_healthy(s, netns)
                 result.seconds[f"{s.name}_done_s"] = time.monotonic() - t0
         finally:

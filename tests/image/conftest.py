@@ -38,8 +38,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pytest.exit("the image test needs root (buildah, debootstrap, ip netns)", returncode=2)
     for tool in ("buildah", "debootstrap", "ip"):
         if shutil.which(tool) is None:
-            pytest.exit(f"the image test needs {tool}: run scripts/image-test, which installs "
-                        "it", returncode=2)
+            pytest.exit(
+                f"the image test needs {tool}: run scripts/image-test, which installs it",
+                returncode=2,
+            )
     buildah.remove_leftovers()
     composeflow.remove_leftover_namespaces()
     shutil.rmtree(WORK, ignore_errors=True)
@@ -113,8 +115,9 @@ def image(base_image: str) -> Built:
     built = build_project(base_image, tag, WORK / "image-build.log")
     FIGURES["image_build_s"] = time.monotonic() - start
     if built.returncode != 0:
-        pytest.fail(f"the image did not build (log: {WORK / 'image-build.log'}):\n"
-                    f"{built.log[-4000:]}")
+        pytest.fail(
+            f"the image did not build (log: {WORK / 'image-build.log'}):\n{built.log[-4000:]}"
+        )
     size, layers = buildah.Store.current().size_over(tag, base_image)
     FIGURES["layer_over_base_bytes"] = size
     FIGURES["layers_over_base"] = layers
@@ -131,8 +134,7 @@ def image_cfg(image: Built) -> dict[str, dict[str, Any]]:
 def site_packages(image: Built) -> str:
     ctr = buildah.Container(image.tag, "site-packages")
     try:
-        out = ctr.run(["python3", "-c",
-                       "import sysconfig; print(sysconfig.get_path('purelib'))"])
+        out = ctr.run(["python3", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
     finally:

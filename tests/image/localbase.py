@@ -28,8 +28,11 @@ BASE_DOCKERFILE = REPO / "docker" / "vllm-cpu-base.Dockerfile"
 CPU_ENV = REPO / "scripts" / "cpu-env.sh"
 WHEELHOUSE = Path(os.environ.get("HYBRID_DRAFT_CPU_WHEELHOUSE", REPO / "build" / "cpu-wheelhouse"))
 #: This machine's CA bundle: pip inside the builds reaches the package registry through it.
-CA_BUNDLE = Path(os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
-                 or "/etc/ssl/certs/ca-certificates.crt")
+CA_BUNDLE = Path(
+    os.environ.get("PIP_CERT")
+    or os.environ.get("SSL_CERT_FILE")
+    or "/etc/ssl/certs/ca-certificates.crt"
+)
 SCRATCH = Path(os.environ.get("HYBRID_DRAFT_IMAGE_TEST_TMP", "/var/tmp"))
 
 
@@ -54,8 +57,11 @@ def rootfs(timings: dict[str, float]) -> str:
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="hybrid-draft-rootfs-", dir=SCRATCH))
     try:
-        out = subprocess.run(["debootstrap", f"--variant={VARIANT}", SUITE, str(work / "root"),
-                              MIRROR], capture_output=True, text=True)
+        out = subprocess.run(
+            ["debootstrap", f"--variant={VARIANT}", SUITE, str(work / "root"), MIRROR],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"debootstrap failed:\n{(out.stdout + out.stderr)[-4000:]}")
         timings["debootstrap_s"] = time.monotonic() - start
@@ -77,29 +83,40 @@ def base(timings: dict[str, float], log_dir: Path) -> str:
     """The vLLM CPU base, built unless one from the same inputs is there."""
     complete = WHEELHOUSE / ".complete"
     if not complete.is_file():
-        out = subprocess.run(["sh", str(CPU_ENV), "wheelhouse", str(WHEELHOUSE)],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            ["sh", str(CPU_ENV), "wheelhouse", str(WHEELHOUSE)], capture_output=True, text=True
+        )
         if out.returncode != 0:
             raise RuntimeError(f"cpu-env.sh wheelhouse failed:\n{out.stdout}{out.stderr}")
     root = rootfs(timings)
     version = pins()["vllm-cpu"]
     tag = f"{BASE_REPO}:{version}-" + _digest(
-        root.encode(), buildah.image_id(root).encode(), BASE_DOCKERFILE.read_bytes(),
-        CPU_ENV.read_bytes(), (REPO / "pins.txt").read_bytes(), CA_BUNDLE.read_bytes(),
-        complete.read_bytes())
+        root.encode(),
+        buildah.image_id(root).encode(),
+        BASE_DOCKERFILE.read_bytes(),
+        CPU_ENV.read_bytes(),
+        (REPO / "pins.txt").read_bytes(),
+        CA_BUNDLE.read_bytes(),
+        complete.read_bytes(),
+    )
     if buildah.image_exists(tag):
         return tag
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hybrid-draft-ca-", dir=SCRATCH) as ca:
         shutil.copy(CA_BUNDLE, Path(ca) / "ca-certificates.crt")
         log = log_dir / "base-build.log"
-        out = buildah.build(BASE_DOCKERFILE, REPO, tag,
-                            build_args={"ROOTFS": root, "VLLM_CPU_VERSION": version},
-                            build_contexts={"wheelhouse": WHEELHOUSE, "host-ca": Path(ca)},
-                            log=log)
+        out = buildah.build(
+            BASE_DOCKERFILE,
+            REPO,
+            tag,
+            build_args={"ROOTFS": root, "VLLM_CPU_VERSION": version},
+            build_contexts={"wheelhouse": WHEELHOUSE, "host-ca": Path(ca)},
+            log=log,
+        )
     if out.returncode != 0:
-        raise RuntimeError(f"the local vLLM CPU base did not build (log: {log}):\n"
-                           f"{out.stdout[-4000:]}")
+        raise RuntimeError(
+            f"the local vLLM CPU base did not build (log: {log}):\n{out.stdout[-4000:]}"
+        )
     timings["base_build_s"] = time.monotonic() - start
     _prune(BASE_REPO, tag)
     return tag

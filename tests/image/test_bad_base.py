@@ -64,17 +64,33 @@ def bad_base(base_image: str) -> Iterator[Callable[[str, str], str]]:
         buildah.remove_image(tag)
 
 
-@pytest.mark.parametrize(("variant", "script", "why"), [
-    pytest.param("no-vllm", NO_VLLM,
-                 r"FAIL vllm: cannot import vllm\.model_executor\.model_loader: "
-                 r"ModuleNotFoundError\(\"No module named 'vllm'\"\)", id="no-vllm"),
-    pytest.param("unknown-get-model", UNKNOWN_GET_MODEL,
-                 r"FAIL vllm: [\d.]+, get_model not wrapped: get_model has no parameter "
-                 r"load_config", id="unknown-get-model"),
-])
+@pytest.mark.parametrize(
+    ("variant", "script", "why"),
+    [
+        pytest.param(
+            "no-vllm",
+            NO_VLLM,
+            r"FAIL vllm: cannot import vllm\.model_executor\.model_loader: "
+            r"ModuleNotFoundError\(\"No module named 'vllm'\"\)",
+            id="no-vllm",
+        ),
+        pytest.param(
+            "unknown-get-model",
+            UNKNOWN_GET_MODEL,
+            r"FAIL vllm: [\d.]+, get_model not wrapped: get_model has no parameter "
+            r"load_config",
+            id="unknown-get-model",
+        ),
+    ],
+)
 def test_a_bad_base_fails_the_build_at_the_doctor_step(
-        variant: str, script: str, why: str, bad_base: Callable[[str, str], str], work: Path,
-        figures: dict) -> None:
+    variant: str,
+    script: str,
+    why: str,
+    bad_base: Callable[[str, str], str],
+    work: Path,
+    figures: dict,
+) -> None:
     base = bad_base(variant, script)
     tag = f"localhost/hybrid-draft/image-test-bad-image:{variant}"
     start = time.monotonic()

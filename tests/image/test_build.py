@@ -29,13 +29,20 @@ def test_the_builds_doctor_step_passed(image: Built) -> None:
     assert doctor and all(ln.startswith("ok ") for ln in doctor), "\n".join(doctor)
     checks = {ln.split()[1].rstrip(":") for ln in doctor}
     assert checks >= {"layer", "config", "vllm", "instanttensor"}, doctor
-    assert any(re.search(r"vllm: [\d.]+, vllm\.model_executor\.model_loader\.get_model is "
-                         r"wrapped", ln) for ln in doctor), doctor
+    assert any(
+        re.search(
+            r"vllm: [\d.]+, vllm\.model_executor\.model_loader\.get_model is "
+            r"wrapped",
+            ln,
+        )
+        for ln in doctor
+    ), doctor
     assert any("layer: hybrid-draft" in ln and "/opt/venv/bin/python3" in ln for ln in doctor)
 
 
-def test_config_and_pth_are_in_the_image(image: Built, container: buildah.Container,
-                                         site_packages: str) -> None:
+def test_config_and_pth_are_in_the_image(
+    image: Built, container: buildah.Container, site_packages: str
+) -> None:
     root = container.mount()
     baked = root / "etc" / "hybrid-draft.toml"
     assert baked.read_text() == (REPO / "config" / "hybrid-draft.toml").read_text()
@@ -58,7 +65,8 @@ def test_labels_carry_the_bake_args(image: Built) -> None:
     a = image.args
     assert labels["org.opencontainers.image.base.name"] == image.base
     assert labels["org.opencontainers.image.version"] == (
-        f"{a['HYBRID_DRAFT_VERSION']}-vllm{a['VLLM_VERSION']}")
+        f"{a['HYBRID_DRAFT_VERSION']}-vllm{a['VLLM_VERSION']}"
+    )
     assert labels["org.opencontainers.image.source"] == a["SOURCE_URL"]
     assert labels["io.hybrid-draft.vllm.version"] == a["VLLM_VERSION"]
     assert labels["io.hybrid-draft.instanttensor.version"] == a["INSTANTTENSOR_VERSION"]
@@ -93,7 +101,11 @@ def test_the_layer_holds_no_wheel_build_backend_or_cache(image: Built, figures: 
     assert "etc/hybrid-draft.toml" in added
     assert any(p.endswith("site-packages/hybrid_draft.pth") for p in added)
     assert any("/site-packages/instanttensor/" in p for p in added)
-    leftovers = [p for p in added if p.endswith(".whl")
-                 or re.search(r"(^|/)(hatchling|hatch|pip-\w+|build)(/|-[\d.]+\.dist-info)", p)
-                 or p.startswith(("root/.cache", "tmp/", "src/", "dist/"))]
+    leftovers = [
+        p
+        for p in added
+        if p.endswith(".whl")
+        or re.search(r"(^|/)(hatchling|hatch|pip-\w+|build)(/|-[\d.]+\.dist-info)", p)
+        or p.startswith(("root/.cache", "tmp/", "src/", "dist/"))
+    ]
     assert not leftovers, leftovers[:20]

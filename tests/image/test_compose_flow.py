@@ -41,12 +41,20 @@ def model_volume(work: Path) -> Path:
     return path
 
 
-def run_flow(name: str, variables: dict[str, str], work: Path, model_volume: Path,
-             standin: dict[str, str], image_cfg: dict, figures: dict) -> composeflow.FlowResult:
+def run_flow(
+    name: str,
+    variables: dict[str, str],
+    work: Path,
+    model_volume: Path,
+    standin: dict[str, str],
+    image_cfg: dict,
+    figures: dict,
+) -> composeflow.FlowResult:
     named = {"default-model": model_volume, "events": work / name / "events"}
     named["events"].mkdir(parents=True)
-    result = composeflow.up(variables, work=work / name, named=named, standin=standin,
-                            image_cfg=image_cfg)
+    result = composeflow.up(
+        variables, work=work / name, named=named, standin=standin, image_cfg=image_cfg
+    )
     figures.update({f"{name}_{k}": v for k, v in result.seconds.items()})
     return result
 
@@ -58,23 +66,39 @@ def decision(events: list[dict[str, Any]], role: str) -> dict[str, Any]:
 
 
 def test_the_baked_config_is_read_when_nothing_is_mounted(
-        container: buildah.Container, custom_toml: Path) -> None:
+    container: buildah.Container, custom_toml: Path
+) -> None:
     out = container.run(["hybrid-draft", "config", "--json"])
     assert out.returncode == 0, out.stderr
     mode = json.loads(out.stdout)["settings"]["mode"]
     assert (mode["value"], mode["source"]) == ("auto", "file"), mode
-    mounted = container.run(["hybrid-draft", "config", "--json"],
-                            volumes=[f"{custom_toml}:/etc/hybrid-draft.toml:ro"])
+    mounted = container.run(
+        ["hybrid-draft", "config", "--json"], volumes=[f"{custom_toml}:/etc/hybrid-draft.toml:ro"]
+    )
     assert json.loads(mounted.stdout)["settings"]["mode"]["value"] == MOUNTED_MODE
 
 
 def test_mounted_file_wins_over_the_baked_one(
-        image: Built, custom_toml: Path, work: Path, model_volume: Path,
-        standin: dict[str, str], image_cfg: dict, figures: dict) -> None:
-    result = run_flow("mounted-file", {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml)}, work,
-                      model_volume, standin, image_cfg, figures)
-    assert result.returncode == 0, result.output(result.exit_service)[-6000:] + \
-        composeflow.tail(result.logs["server"], 80)
+    image: Built,
+    custom_toml: Path,
+    work: Path,
+    model_volume: Path,
+    standin: dict[str, str],
+    image_cfg: dict,
+    figures: dict,
+) -> None:
+    result = run_flow(
+        "mounted-file",
+        {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml)},
+        work,
+        model_volume,
+        standin,
+        image_cfg,
+        figures,
+    )
+    assert result.returncode == 0, result.output(result.exit_service)[-6000:] + composeflow.tail(
+        result.logs["server"], 80
+    )
     smoke = result.output(result.exit_service)
     assert "FAIL" not in smoke, smoke
     events = result.events()
@@ -88,19 +112,35 @@ def test_mounted_file_wins_over_the_baked_one(
     config = json.loads((model_volume / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
     # Both loads went through the stand-in for InstantTensor's GPU read, and nothing else.
-    reads = [json.loads(ln) for ln in (result.volumes["events"] / "standin.jsonl")
-             .read_text().splitlines() if '"call"' in ln]
+    reads = [
+        json.loads(ln)
+        for ln in (result.volumes["events"] / "standin.jsonl").read_text().splitlines()
+        if '"call"' in ln
+    ]
     assert len(reads) == 2, reads
 
 
 def test_environment_wins_over_both(
-        image: Built, custom_toml: Path, work: Path, model_volume: Path,
-        standin: dict[str, str], image_cfg: dict, figures: dict) -> None:
-    result = run_flow("env", {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml),
-                              "INSTANTTENSOR_DRAFT_LOADER": ENV_MODE}, work, model_volume,
-                      standin, image_cfg, figures)
-    assert result.returncode == 0, result.output(result.exit_service)[-6000:] + \
-        composeflow.tail(result.logs["server"], 80)
+    image: Built,
+    custom_toml: Path,
+    work: Path,
+    model_volume: Path,
+    standin: dict[str, str],
+    image_cfg: dict,
+    figures: dict,
+) -> None:
+    result = run_flow(
+        "env",
+        {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml), "INSTANTTENSOR_DRAFT_LOADER": ENV_MODE},
+        work,
+        model_volume,
+        standin,
+        image_cfg,
+        figures,
+    )
+    assert result.returncode == 0, result.output(result.exit_service)[-6000:] + composeflow.tail(
+        result.logs["server"], 80
+    )
     # The checkpoint of the first run was reused (make-checkpoint --if-missing).
     assert "already there" in result.output("model")
     events = result.events()
@@ -109,9 +149,15 @@ def test_environment_wins_over_both(
     assert (target["chosen_format"], target["action"]) == ("instanttensor", "kept")
     assert (draft["mode"], draft["mode_source"]) == (ENV_MODE, "env")
     assert (draft["action"], draft["chosen_format"], draft["reason"]) == (
-        "switched", "safetensors", "same_checkpoint")
+        "switched",
+        "safetensors",
+        "same_checkpoint",
+    )
     # Only the target went through InstantTensor's (stood-in) read.
-    reads = [json.loads(ln) for ln in (result.volumes["events"] / "standin.jsonl")
-             .read_text().splitlines() if '"call"' in ln]
+    reads = [
+        json.loads(ln)
+        for ln in (result.volumes["events"] / "standin.jsonl").read_text().splitlines()
+        if '"call"' in ln
+    ]
     assert len(reads) == 1, reads
     assert os.path.basename(draft["model"]) == os.path.basename(target["model"])

@@ -38,13 +38,17 @@ class Call:
         spec = self.speculative_config
         draft = getattr(spec, "draft_model_config", None)
         # ngram, suffix and custom proposers alias the target's config: no draft model.
-        return (draft is not None and self.model_config is draft
-                and draft is not getattr(spec, "target_model_config", None))
+        return (
+            draft is not None
+            and self.model_config is draft
+            and draft is not getattr(spec, "target_model_config", None)
+        )
 
     @property
     def target_model_config(self) -> Any:
         return getattr(self.speculative_config, "target_model_config", None) or (
-            self.vllm_config.model_config)
+            self.vllm_config.model_config
+        )
 
     def request(self) -> policy.Request:
         spec = self.speculative_config
@@ -54,8 +58,9 @@ class Call:
             role=role,
             requested_format=str(self.load_config.load_format).lower(),
             method=getattr(spec, "method", None),
-            explicit_draft_format=(str(explicit.load_format).lower()
-                                   if explicit is not None else None),
+            explicit_draft_format=(
+                str(explicit.load_format).lower() if explicit is not None else None
+            ),
             model=checkpoint_of(self.model_config),
             target=checkpoint_of(self.target_model_config) if role == "draft" else None,
         )

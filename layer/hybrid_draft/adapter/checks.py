@@ -20,8 +20,10 @@ def selective_host_blocker() -> tuple[str, str] | None:
     """
     from hybrid_draft.adapter import selective
 
-    for code, problem in (("no_cuda", selective.cuda_unavailable()),
-                          ("no_tensor_filter", selective.tensor_filter_supported())):
+    for code, problem in (
+        ("no_cuda", selective.cuda_unavailable()),
+        ("no_tensor_filter", selective.tensor_filter_supported()),
+    ):
         if problem:
             return code, problem
     return None
@@ -33,7 +35,8 @@ def _safetensors_files(call: calls.Call) -> list[str]:
 
     lazy = calls.lazy_load_config(call.load_config)
     _, files, use_safetensors, _ = DefaultModelLoader(lazy)._prepare_weights(
-        call.model_config.model, None, call.model_config.revision, False, None)
+        call.model_config.model, None, call.model_config.revision, False, None
+    )
     return list(files) if use_safetensors else []
 
 
@@ -41,8 +44,12 @@ def draft_warnings(call: calls.Call) -> list[dict[str, str]]:
     """The plan's warnings for this draft (empty unless it reads the target's checkpoint)."""
     try:
         request = call.request()
-        if (request.role != "draft" or request.model is None or request.target is None
-                or not policy.same_checkpoint(request.model, request.target)):
+        if (
+            request.role != "draft"
+            or request.model is None
+            or request.target is None
+            or not policy.same_checkpoint(request.model, request.target)
+        ):
             return []
         from hybrid_draft.adapter.selective import draft_class
 

@@ -75,12 +75,14 @@ def _known_model_type(model_type: Any) -> bool:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from vllm.transformers_utils.config import _CONFIG_REGISTRY
 
-    return isinstance(model_type, str) and (model_type in CONFIG_MAPPING
-                                            or model_type in _CONFIG_REGISTRY)
+    return isinstance(model_type, str) and (
+        model_type in CONFIG_MAPPING or model_type in _CONFIG_REGISTRY
+    )
 
 
-def read_config(model_dir: str, trust_remote_code: bool = False
-                ) -> tuple[Any, tuple[tuple[str, str], ...]]:
+def read_config(
+    model_dir: str, trust_remote_code: bool = False
+) -> tuple[Any, tuple[tuple[str, str], ...]]:
     """The checkpoint's config as vLLM reads it, or as a plain config (see the module doc)."""
     from transformers import PretrainedConfig
     from vllm.transformers_utils.config import get_config
@@ -89,8 +91,9 @@ def read_config(model_dir: str, trust_remote_code: bool = False
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise PlanError(f"{path}: no such file (a checkpoint directory holds its "
-                        f"{CONFIG_NAME})") from None
+        raise PlanError(
+            f"{path}: no such file (a checkpoint directory holds its {CONFIG_NAME})"
+        ) from None
     except OSError as exc:
         raise PlanError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     except ValueError as exc:  # JSON and UTF-8 errors alike
@@ -113,14 +116,20 @@ def read_config(model_dir: str, trust_remote_code: bool = False
     auto_map = data.get("auto_map")
     code = auto_map.get("AutoConfig") if isinstance(auto_map, dict) else None
     if code:
-        note = ("needs_trust_remote_code", f"model_type {model_type!r} is defined by code "
-                f"shipped with the checkpoint ({code}); plan read {CONFIG_NAME} as a plain "
-                "config without running it. vLLM serves this checkpoint only with "
-                "--trust-remote-code")
+        note = (
+            "needs_trust_remote_code",
+            f"model_type {model_type!r} is defined by code "
+            f"shipped with the checkpoint ({code}); plan read {CONFIG_NAME} as a plain "
+            "config without running it. vLLM serves this checkpoint only with "
+            "--trust-remote-code",
+        )
     else:
-        note = ("unknown_model_type", f"model_type {model_type!r} is not one transformers "
-                f"or vLLM knows, and the checkpoint ships no configuration code; plan read "
-                f"{CONFIG_NAME} as a plain config")
+        note = (
+            "unknown_model_type",
+            f"model_type {model_type!r} is not one transformers "
+            f"or vLLM knows, and the checkpoint ships no configuration code; plan read "
+            f"{CONFIG_NAME} as a plain config",
+        )
     return config, (note,)
 
 
@@ -152,24 +161,46 @@ def mtp_draft(model_dir: str, trust_remote_code: bool = False) -> Draft:
     try:
         config = SpeculativeConfig.hf_config_override(config)
     except Exception as exc:
-        raise PlanError(f"{path}: vLLM's MTP rewrite of {before[0]} fails: "
-                        f"{_one_line(exc)}") from None
+        raise PlanError(
+            f"{path}: vLLM's MTP rewrite of {before[0]} fails: {_one_line(exc)}"
+        ) from None
     after = _architectures(config)
     if not after or after == before:
         if before[0] not in ModelRegistry.get_supported_archs():
-            raise PlanError(f"{path}: architecture {before[0]!r} is not one "
-                            f"{_vllm_version()} supports")
-        raise PlanError(f"{path}: {_vllm_version()} has no MTP draft for {before[0]} "
-                        "(speculative method 'mtp' does not apply to it)")
+            raise PlanError(
+                f"{path}: architecture {before[0]!r} is not one {_vllm_version()} supports"
+            )
+        raise PlanError(
+            f"{path}: {_vllm_version()} has no MTP draft for {before[0]} "
+            "(speculative method 'mtp' does not apply to it)"
+        )
     if before[0] not in ModelRegistry.get_supported_archs():
-        notes = (*notes, ("unsupported_architecture", f"{_vllm_version()} does not register "
-                          f"{before[0]}: it cannot load the target this draft belongs to"))
+        notes = (
+            *notes,
+            (
+                "unsupported_architecture",
+                f"{_vllm_version()} does not register "
+                f"{before[0]}: it cannot load the target this draft belongs to",
+            ),
+        )
     layers = mtp_layers(config)
     cls = ModelRegistry._try_load_model_cls(after[0])
     if cls is None:
-        return Draft(after[0], "none", None, None, layers, (*notes, (
-            "draft_class_unavailable", f"{_vllm_version()} cannot import the draft class "
-            f"of {after[0]} on this host: its rule is unknown here")))
+        return Draft(
+            after[0],
+            "none",
+            None,
+            None,
+            layers,
+            (
+                *notes,
+                (
+                    "draft_class_unavailable",
+                    f"{_vllm_version()} cannot import the draft class "
+                    f"of {after[0]} on this host: its rule is unknown here",
+                ),
+            ),
+        )
     source = rules.rule_source(cls)
     if source == "vllm":
         rule = rules.probe(cls, config)
@@ -185,9 +216,9 @@ def mtp_draft(model_dir: str, trust_remote_code: bool = False) -> Draft:
 #: Drafts with MTP in their name that load a checkpoint of their own, and what it is.
 OWN_CHECKPOINT = {
     "Gemma4MTPModel": "method mtp, but Gemma 4's assistant checkpoint of its own: every "
-                      "tensor there is the draft's, loaded whole",
+    "tensor there is the draft's, loaded whole",
     "EagleDeepSeekMTPModel": "an EAGLE head in DeepSeek-MTP form, with a checkpoint of its "
-                             "own, loaded whole",
+    "own, loaded whole",
 }
 
 
@@ -225,10 +256,11 @@ def draft_classes(mtp_only: bool = False) -> list[dict[str, str]]:
         except Exception as exc:  # a CUDA-only module: say so, list the rest
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             ours = [k for k in rules.RULES if k[1] == name and k[0].startswith(module)]
-            row["detail"] = (f"{module} does not import here ({type(exc).__name__}: "
-                             f"{reason[:120]})"
-                             + ("; hybrid-draft has a rule for it where it imports"
-                                if ours else ""))
+            row["detail"] = (
+                f"{module} does not import here ({type(exc).__name__}: "
+                f"{reason[:120]})"
+                + ("; hybrid-draft has a rule for it where it imports" if ours else "")
+            )
             out.append(row)
             continue
         row["class"] = cls.__name__
@@ -261,9 +293,10 @@ def rules_summary(classes: list[dict[str, str]]) -> str:
     """One line: how many of the MTP draft classes prune their checkpoint, and by whose rule."""
     mtp = [c for c in classes if c["kind"] == "mtp"]
     pruned = [c for c in mtp if c["rule"] != "none"]
-    by = {source: sum(c["rule"] == source for c in pruned) for source in ("vllm",
-                                                                          "hybrid-draft")}
-    line = (f"{len(pruned)} of {len(mtp)} MTP draft classes prune their checkpoint "
-            f"({by['vllm']} vLLM, {by['hybrid-draft']} hybrid-draft)")
+    by = {source: sum(c["rule"] == source for c in pruned) for source in ("vllm", "hybrid-draft")}
+    line = (
+        f"{len(pruned)} of {len(mtp)} MTP draft classes prune their checkpoint "
+        f"({by['vllm']} vLLM, {by['hybrid-draft']} hybrid-draft)"
+    )
     rest = [c["class"] for c in mtp if c["rule"] == "none"]
     return line + (f"; not: {', '.join(rest)}" if rest else "")

@@ -42,8 +42,9 @@ def _tqdm(total: int, desc: str, use_tqdm: bool, **kwargs: Any) -> Any:
     from tqdm.auto import tqdm
     from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
-    return tqdm(total=total, desc=desc, mininterval=1.0, disable=not enable_tqdm(use_tqdm),
-                **kwargs)
+    return tqdm(
+        total=total, desc=desc, mininterval=1.0, disable=not enable_tqdm(use_tqdm), **kwargs
+    )
 
 
 #: How far ahead of the tensor being taken the kernel is asked to read the kept ranges.
@@ -65,8 +66,11 @@ class _Prefetch:
 
     def before(self, i: int) -> None:
         """Called before tensor ``i`` is taken: keep the window ahead of it scheduled."""
-        while self.fd is not None and self.issued < len(self.ranges) and (
-                self.issued <= i or self.ahead < PREFETCH_BYTES):
+        while (
+            self.fd is not None
+            and self.issued < len(self.ranges)
+            and (self.issued <= i or self.ahead < PREFETCH_BYTES)
+        ):
             start, end = self.ranges[self.issued]
             os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
             self.ahead += end - start
@@ -79,13 +83,18 @@ class _Prefetch:
             os.close(self.fd)
 
 
-def lazy_filtered_iterator(selection: checkpoint.Selection, use_tqdm_on_load: bool = True
-                           ) -> Weights:
+def lazy_filtered_iterator(
+    selection: checkpoint.Selection, use_tqdm_on_load: bool = True
+) -> Weights:
     """Memory-map each selected shard and take only its kept tensors, in file order."""
     from safetensors import safe_open
 
-    with _tqdm(len(selection.files), "Loading the draft's tensors (lazy safetensors, "
-               "filtered)", use_tqdm_on_load, unit="shard") as bar:
+    with _tqdm(
+        len(selection.files),
+        "Loading the draft's tensors (lazy safetensors, filtered)",
+        use_tqdm_on_load,
+        unit="shard",
+    ) as bar:
         for path, names in selection.files.items():
             prefetch = _Prefetch(path, selection.ranges[path])
             try:
@@ -99,7 +108,9 @@ def lazy_filtered_iterator(selection: checkpoint.Selection, use_tqdm_on_load: bo
 
 
 def instanttensor_selective_iterator(
-    selection: checkpoint.Selection, device: torch.device, use_tqdm_on_load: bool = True,
+    selection: checkpoint.Selection,
+    device: torch.device,
+    use_tqdm_on_load: bool = True,
 ) -> Weights:
     """Stream exactly the selected tensors to ``device`` with InstantTensor.
 
@@ -110,12 +121,22 @@ def instanttensor_selective_iterator(
 
     with (
         instanttensor.safe_open(
-            list(selection.files), framework="pt", device=device, process_group=None,
-            copy=True, tensor_filter=selection.names, tensor_name_match_mode="exact",
+            list(selection.files),
+            framework="pt",
+            device=device,
+            process_group=None,
+            copy=True,
+            tensor_filter=selection.names,
+            tensor_name_match_mode="exact",
         ) as f,
-        _tqdm(getattr(f, "total_tensor_size", None) or selection.nbytes,
-              "Loading the draft's tensors using InstantTensor (selective)", use_tqdm_on_load,
-              unit="B", unit_scale=True, unit_divisor=1024) as bar,
+        _tqdm(
+            getattr(f, "total_tensor_size", None) or selection.nbytes,
+            "Loading the draft's tensors using InstantTensor (selective)",
+            use_tqdm_on_load,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+        ) as bar,
     ):
         for name, tensor in f.tensors():
             bar.update(tensor.numel() * tensor.element_size())
@@ -141,12 +162,18 @@ def _loader_classes() -> dict[str, type]:
             if rule is None or self._encoder_only_lm_prefixes is not None:
                 return super()._get_weights_iterator(source)
             _, files, use_safetensors, _ = self._prepare_weights(
-                source.model_or_path, source.subfolder, source.revision,
-                source.fall_back_to_pt, source.allow_patterns_overrides)
+                source.model_or_path,
+                source.subfolder,
+                source.revision,
+                source.fall_back_to_pt,
+                source.allow_patterns_overrides,
+            )
             local = self.local_expert_ids
-            selection = checkpoint.select(
-                files, lambda n: rule(n) or should_skip_weight(n, local)) if (
-                use_safetensors) else None
+            selection = (
+                checkpoint.select(files, lambda n: rule(n) or should_skip_weight(n, local))
+                if (use_safetensors)
+                else None
+            )
             if not selection or not selection.files:
                 # Nothing to select from (or nothing kept): vLLM's own path, and its errors.
                 return super()._get_weights_iterator(source)
@@ -169,12 +196,14 @@ def _loader_classes() -> dict[str, type]:
         """InstantTensor streaming only the draft's tensors onto its GPU."""
 
         def read(self, selection: checkpoint.Selection) -> Weights:
-            device = torch.device(self.load_config.device
-                                  or get_current_vllm_config().device_config.device)
+            device = torch.device(
+                self.load_config.device or get_current_vllm_config().device_config.device
+            )
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            return instanttensor_selective_iterator(selection, device,
-                                                    self.load_config.use_tqdm_on_load)
+            return instanttensor_selective_iterator(
+                selection, device, self.load_config.use_tqdm_on_load
+            )
 
     return {FILTERED: FilteredSafetensorsLoader, SELECTIVE: SelectiveInstantTensorLoader}
 

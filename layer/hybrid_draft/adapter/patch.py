@@ -28,15 +28,25 @@ TARGET = f"{MODULE}.get_model"
 REQUIRED = ("vllm_config", "model_config", "load_config")
 _WRAPPED = "__hybrid_draft_wrapped__"
 #: The keys every hybrid_draft.decision event carries (null where a call leaves one unknown).
-DECISION_FIELDS = ("role", "mode", "mode_source", "method", "requested_format",
-                   "chosen_format", "action", "reason", "model", "revision")
+DECISION_FIELDS = (
+    "role",
+    "mode",
+    "mode_source",
+    "method",
+    "requested_format",
+    "chosen_format",
+    "action",
+    "reason",
+    "model",
+    "revision",
+)
 
 SWITCH_MESSAGE = {
     policy.SAFETENSORS: "Hybrid draft loading: using lazy safetensors for speculative draft "
-                        "weights while preserving InstantTensor for the target model",
+    "weights while preserving InstantTensor for the target model",
     policy.SELECTIVE_FORMAT: "Hybrid draft loading: streaming only the speculative draft's "
-                             "tensors with InstantTensor while preserving InstantTensor for "
-                             "the target model",
+    "tensors with InstantTensor while preserving InstantTensor for "
+    "the target model",
 }
 
 
@@ -74,8 +84,7 @@ def on_model_loader(module: Any) -> None:
     emit("hybrid_draft.activated", version=__version__)
     problem = shape_problem(module)
     if problem:
-        emit("hybrid_draft.patch_skipped", "warning", vllm_version=vllm_version(),
-             reason=problem)
+        emit("hybrid_draft.patch_skipped", "warning", vllm_version=vllm_version(), reason=problem)
         return
     module.get_model = wrap(module.get_model)
     try:
@@ -109,9 +118,11 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
-                call = calls.Call.resolve(bound.arguments["vllm_config"],
-                                            bound.arguments.get("model_config"),
-                                            bound.arguments.get("load_config"))
+                call = calls.Call.resolve(
+                    bound.arguments["vllm_config"],
+                    bound.arguments.get("model_config"),
+                    bound.arguments.get("load_config"),
+                )
                 decide(call, outcome)
             except settings.ConfigError as exc:
                 _finish(outcome, cost, exc)
@@ -120,10 +131,18 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
                 # A fault of the layer's own must not fail a load vLLM would have done:
                 # report it and let vLLM load exactly as asked.
                 unknown = dict.fromkeys(DECISION_FIELDS)
-                emit("hybrid_draft.decision", "error", **{
-                    **unknown, "role": outcome.role, "model": outcome.model,
-                    "action": "kept", "reason": "layer_error",
-                    "detail": f"{type(exc).__name__}: {exc}"})
+                emit(
+                    "hybrid_draft.decision",
+                    "error",
+                    **{
+                        **unknown,
+                        "role": outcome.role,
+                        "model": outcome.model,
+                        "action": "kept",
+                        "reason": "layer_error",
+                        "detail": f"{type(exc).__name__}: {exc}",
+                    },
+                )
                 outcome.load_config = None
             if outcome.load_config is not None:
                 kwargs = {**kwargs, "load_config": outcome.load_config}
@@ -142,15 +161,25 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 def _finish(outcome: Outcome, cost: stats.LoadStats, exc: BaseException | None) -> None:
     """``hybrid_draft.loaded``, or ``load_failed`` for a call that raised; never raises."""
     try:
-        fields: dict[str, Any] = {"role": outcome.role, "model": outcome.model,
-                                  "load_format": outcome.load_format,
-                                  "tensor_filter": outcome.tensor_filter, **cost.fields()}
+        fields: dict[str, Any] = {
+            "role": outcome.role,
+            "model": outcome.model,
+            "load_format": outcome.load_format,
+            "tensor_filter": outcome.tensor_filter,
+            **cost.fields(),
+        }
         sink = outcome.sink or settings.event_sink()
         if exc is None:
             emit("hybrid_draft.loaded", sink=sink, **fields)
         else:
-            emit("hybrid_draft.load_failed", "error", sink=sink, **fields,
-                 error_type=type(exc).__name__, error=str(exc))
+            emit(
+                "hybrid_draft.load_failed",
+                "error",
+                sink=sink,
+                **fields,
+                error_type=type(exc).__name__,
+                error=str(exc),
+            )
     except Exception:  # the load's own outcome (model or exception) is what matters
         pass
 
@@ -159,8 +188,13 @@ def _current_settings() -> settings.Settings:
     try:
         return settings.load()
     except settings.ConfigError as exc:
-        emit("hybrid_draft.config_error", "error", sink=settings.event_sink(),
-             source=exc.source, detail=exc.detail)
+        emit(
+            "hybrid_draft.config_error",
+            "error",
+            sink=settings.event_sink(),
+            source=exc.source,
+            detail=exc.detail,
+        )
         raise
 
 
@@ -193,15 +227,15 @@ def decide(call: calls.Call, outcome: Outcome) -> None:
             extra.update(plan.summary())
     if decision.switched:
         outcome.load_config, outcome.tensor_filter = _switched_load_config(
-            call, decision.chosen_format, extra.get("pruning_rule"))
+            call, decision.chosen_format, extra.get("pruning_rule")
+        )
         outcome.load_format = decision.chosen_format
     if request.role == "draft":
         extra["tensor_filter"] = outcome.tensor_filter
     _report(current, request, decision, extra)
 
 
-def _switched_load_config(call: calls.Call, chosen: str, rule: str | None
-                          ) -> tuple[Any, bool]:
+def _switched_load_config(call: calls.Call, chosen: str, rule: str | None) -> tuple[Any, bool]:
     """The draft's load config for ``chosen``, and whether its tensors are filtered.
 
     A switch to lazy safetensors for a class with a checkpoint-weight rule goes to the
@@ -227,8 +261,12 @@ def _install_rule(call: calls.Call) -> str | None:
         return None
 
 
-def _report(current: settings.Settings, request: policy.Request, decision: policy.Decision,
-            extra: dict[str, Any]) -> None:
+def _report(
+    current: settings.Settings,
+    request: policy.Request,
+    decision: policy.Decision,
+    extra: dict[str, Any],
+) -> None:
     fields: dict[str, Any] = {
         "role": request.role,
         "mode": current.mode.value,

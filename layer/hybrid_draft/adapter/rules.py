@@ -26,8 +26,12 @@ Rule = Callable[[Any, str], bool]
 _MARK = "__hybrid_draft_rule__"
 ROTARY = ("rotary_emb.inv_freq",)
 #: What vLLM's ``AutoWeightsLoader`` drops before it looks at a name.
-AUTO = ("rotary_pos_emb.inv_freq", "rotary_emb.inv_freq", "rotary_emb.cos_cached",
-        "rotary_emb.sin_cached")
+AUTO = (
+    "rotary_pos_emb.inv_freq",
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
 #: Where vLLM's ``get_spec_layer_idx_from_weight_name`` looks for MTP layer ``N``.
 SPEC_PREFIXES = ("model.layers.", "layers.", "model.language_model.layers.")
 
@@ -66,7 +70,7 @@ class Layers:
         """The layer number and the rest of the name, for a name under one of the prefixes."""
         for prefix in self.prefixes:
             if name.startswith(prefix):
-                number, dot, rest = name[len(prefix):].partition(".")
+                number, dot, rest = name[len(prefix) :].partition(".")
                 if dot and number.isdigit():
                     return int(number), rest
         return None
@@ -110,7 +114,7 @@ class Keep:
             config = getattr(config, "text_config", None) or config
         for old, new in self.rename:
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
                 break
         if any(s in name for s in self.drop):
             return True
@@ -151,91 +155,159 @@ _M = "vllm.model_executor.models."
 RULES: dict[tuple[str, str], Keep] = {
     (_M + "deepseek_mtp", "DeepSeekMTP"): Keep(
         "DeepSeek-V3 MTP layers, plus the target's top-level embedding",
-        DEEPSEEK_LAYERS, names=(EMBED,)),
+        DEEPSEEK_LAYERS,
+        names=(EMBED,),
+    ),
     (_M + "glm4_moe_mtp", "Glm4MoeMTP"): Keep(
         "GLM-4.5 MTP layers, plus the embedding and the LM head",
-        DEEPSEEK_LAYERS, names=(EMBED, HEAD)),
+        DEEPSEEK_LAYERS,
+        names=(EMBED, HEAD),
+    ),
     (_M + "glm4_moe_lite_mtp", "Glm4MoeLiteMTP"): Keep(
-        "GLM-4.7-Flash MTP layers (their own embedding and head)", DEEPSEEK_LAYERS),
+        "GLM-4.7-Flash MTP layers (their own embedding and head)", DEEPSEEK_LAYERS
+    ),
     (_M + "mimo_mtp", "MiMoMTP"): Keep(
         "MiMo model.mtp_layers.*, the embedding and the LM head",
-        contains=("mtp_layers", "embed_tokens", "lm_head"), drop=AUTO),
+        contains=("mtp_layers", "embed_tokens", "lm_head"),
+        drop=AUTO,
+    ),
     (_M + "mimo_v2_mtp", "MiMoV2MTP"): Keep(
         "MiMo-V2 model.mtp.layers.* (the ones vLLM builds), the embedding and the LM head",
-        Layers(("model.mtp.layers.",), first=0, count=1), contains=("model.embed_tokens",),
-        prefixes=("lm_head",)),
+        Layers(("model.mtp.layers.",), first=0, count=1),
+        contains=("model.embed_tokens",),
+        prefixes=("lm_head",),
+    ),
     (_M + "ernie_mtp", "ErnieMTP"): Keep(
         "ERNIE-4.5 model.mtp_* block, the embedding and the LM head",
-        contains=("mtp", "embed_tokens", "lm_head"), drop=AUTO, dropped_if=TIED),
+        contains=("mtp", "embed_tokens", "lm_head"),
+        drop=AUTO,
+        dropped_if=TIED,
+    ),
     (_M + "exaone_moe_mtp", "ExaoneMoeMTP"): Keep(
         "K-EXAONE mtp.* head, the embedding and the LM head",
-        prefixes=("mtp.",), contains=("embed_tokens", "lm_head"), drop=AUTO,
-        dropped_if=TIED),
+        prefixes=("mtp.",),
+        contains=("embed_tokens", "lm_head"),
+        drop=AUTO,
+        dropped_if=TIED,
+    ),
     (_M + "longcat_flash_mtp", "LongCatFlashMTP"): Keep(
-        "LongCat-Flash model.mtp.* (its own embedding included)", contains=("model.mtp",)),
+        "LongCat-Flash model.mtp.* (its own embedding included)", contains=("model.mtp",)
+    ),
     (_M + "glm_ocr_mtp", "GlmOcrMTP"): Keep(
         "GLM-OCR MTP layers, plus a top-level embedding and the LM head",
-        DEEPSEEK_LAYERS, names=(EMBED, HEAD), text_config=True),
+        DEEPSEEK_LAYERS,
+        names=(EMBED, HEAD),
+        text_config=True,
+    ),
     (_M + "openpangu_mtp", "OpenPanguMTP"): Keep(
-        "openPangu MTP layers (their own embedding and head)", DEEPSEEK_LAYERS),
+        "openPangu MTP layers (their own embedding and head)", DEEPSEEK_LAYERS
+    ),
     (_M + "exaone4_5_mtp", "Exaone4_5_MTP"): Keep(
         "EXAONE 4.5 mtp.* head, the embedding and the LM head",
-        prefixes=("mtp.",), contains=("embed_tokens", "lm_head"), drop=AUTO,
-        dropped_if=TIED),
+        prefixes=("mtp.",),
+        contains=("embed_tokens", "lm_head"),
+        drop=AUTO,
+        dropped_if=TIED,
+    ),
     (_M + "nemotron_parse3_5_mtp", "ParseAuxMTPModel"): Keep(
         "Parse 3.5 decoder.extra_proj.0 / extra_heads.0 and the decoder embedding",
         names=("decoder.embed_tokens.weight",),
-        prefixes=("decoder.extra_heads.0.", "decoder.extra_proj.0."), drop=AUTO),
+        prefixes=("decoder.extra_heads.0.", "decoder.extra_proj.0."),
+        drop=AUTO,
+    ),
     ("vllm.models.kimi_k3.nvidia.mtp", "KimiK3MTP"): Keep(
         "Kimi-K3 MTP layers but the attention-residual weights the draft block lacks",
         Layers(drop=("self_attention_res_", "mlp_res_"), later_drop=("embed_tokens",)),
-        rename=(("language_model.", ""),), text_config=True),
+        rename=(("language_model.", ""),),
+        text_config=True,
+    ),
     ("vllm.models.minimax_m3.nvidia.mtp", "MiniMaxM3MTP"): Keep(
         "MiniMax-M3 model.mtp.layers.* (num_mtp_modules), the embedding and the LM head",
         Layers(("model.mtp.layers.",), first=0, count="num_mtp_modules"),
-        names=(EMBED, HEAD), rename=(("language_model.", ""),), reads="draft"),
+        names=(EMBED, HEAD),
+        rename=(("language_model.", ""),),
+        reads="draft",
+    ),
     ("vllm.models.glm5next.common.mtp", "Glm5NextMTP"): Keep(
-        "GLM-5-Next MTP layers (model.language_model.* read as model.*)", DEEPSEEK_LAYERS,
-        rename=(("model.language_model.", "model."),), text_config=True),
+        "GLM-5-Next MTP layers (model.language_model.* read as model.*)",
+        DEEPSEEK_LAYERS,
+        rename=(("model.language_model.", "model."),),
+        text_config=True,
+    ),
     ("vllm.models.hy_v4.nvidia.mtp", "HYV4MTP"): Keep(
         "HY V4 MTP layers (or model.mtp_layers.*) but their embedding and head copies, "
         "plus the target's embedding and LM head",
-        (Layers(("model.layers.",), count=_hy_v4_mtp_layers,
-                drop=("embed_tokens", "shared_head")),
-         Layers(("model.mtp_layers.",), first=0, count=_hy_v4_mtp_layers,
-                drop=("embed_tokens", "shared_head"))),
-        names=(EMBED, HEAD), drop=()),
+        (
+            Layers(
+                ("model.layers.",), count=_hy_v4_mtp_layers, drop=("embed_tokens", "shared_head")
+            ),
+            Layers(
+                ("model.mtp_layers.",),
+                first=0,
+                count=_hy_v4_mtp_layers,
+                drop=("embed_tokens", "shared_head"),
+            ),
+        ),
+        names=(EMBED, HEAD),
+        drop=(),
+    ),
     ("vllm.models.qwen4_exp.nvidia.mtp", "Qwen4ExpMTP"): Keep(
         "Qwen4-Exp mtp.* (but the final mixer's block_inject_weight), embedding, LM head",
-        prefixes=("embed_tokens.", "model.mtp.", "mtp.", "model.shared_head.head.",
-                  "shared_head.head.", "model.lm_head.", "model.embed_tokens.", "lm_head."),
+        prefixes=(
+            "embed_tokens.",
+            "model.mtp.",
+            "mtp.",
+            "model.shared_head.head.",
+            "shared_head.head.",
+            "model.lm_head.",
+            "model.embed_tokens.",
+            "lm_head.",
+        ),
         rename=(("model.language_model.", ""), ("language_model.", "")),
-        drop=(*AUTO, "hyper_connection_mixer.block_inject_weight"), dropped_if=TIED,
-        text_config=True),
+        drop=(*AUTO, "hyper_connection_mixer.block_inject_weight"),
+        dropped_if=TIED,
+        text_config=True,
+    ),
     ("vllm.models.inkling.nvidia.mtp", "InklingMTP"): Keep(
         "Inkling model.mtp.* (depth blocks up to num_nextn_predict_layers) and embed_norm",
-        Layers(("model.mtp.layers.",), first=0), contains=(".mtp.",),
-        kept_if=(("model.llm.embed_norm.weight", "use_embed_norm"),), drop=(),
-        reads="draft"),
+        Layers(("model.mtp.layers.",), first=0),
+        contains=(".mtp.",),
+        kept_if=(("model.llm.embed_norm.weight", "use_embed_norm"),),
+        drop=(),
+        reads="draft",
+    ),
     (_M + "step3p5_mtp", "Step3p5MTP"): Keep(
         "Step-3.5 MTP layers and any embed_tokens (read as the draft's embedding)",
-        Layers(), contains=("embed_tokens",), drop=(*ROTARY, "tok_embeddings")),
+        Layers(),
+        contains=("embed_tokens",),
+        drop=(*ROTARY, "tok_embeddings"),
+    ),
     ("vllm.models.step5.nvidia.mtp", "Step5MTP"): Keep(
         "Step5 MTP layers and any embed_tokens (read as the draft's embedding)",
-        Layers(), contains=("embed_tokens",), drop=(*ROTARY, "tok_embeddings"),
-        reads="draft", text_config=True),
+        Layers(),
+        contains=("embed_tokens",),
+        drop=(*ROTARY, "tok_embeddings"),
+        reads="draft",
+        text_config=True,
+    ),
     (_M + "hy_v3_mtp", "HYV3MTP"): Keep(
         "HY-V3 MTP layers but their embedding and head copies, plus the target's two",
-        Layers(drop=("embed_tokens", "shared_head")), names=(EMBED, HEAD),
-        drop=(*ROTARY, "rotary_emb.cos_cached", "rotary_emb.sin_cached")),
+        Layers(drop=("embed_tokens", "shared_head")),
+        names=(EMBED, HEAD),
+        drop=(*ROTARY, "rotary_emb.cos_cached", "rotary_emb.sin_cached"),
+    ),
     (_M + "bailing_moe_mtp", "BailingMoeV25MTPModel"): Keep(
         "Ling-2.5 MTP layers, the word embedding and the LM head",
-        Layers(("model.layers.",)), names=("model.word_embeddings.weight", HEAD),
-        reads="draft"),
+        Layers(("model.layers.",)),
+        names=("model.word_embeddings.weight", HEAD),
+        reads="draft",
+    ),
     (_M + "bailing_moe_v3_mtp", "BailingMoeV3MTPModel"): Keep(
         "Ling-3 MTP layers, the word embedding and the LM head",
-        Layers(("model.layers.",)), names=("model.word_embeddings.weight", HEAD),
-        reads="draft"),
+        Layers(("model.layers.",)),
+        names=("model.word_embeddings.weight", HEAD),
+        reads="draft",
+    ),
 }
 
 

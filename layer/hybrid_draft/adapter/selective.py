@@ -19,8 +19,14 @@ from hybrid_draft import checkpoint
 from hybrid_draft.adapter import calls, rules
 
 #: ``fallback`` codes of a ``selective_fallback`` decision.
-FALLBACKS = ("no_rule", "no_safetensors", "empty_plan", "no_cuda", "no_tensor_filter",
-             "planning_failed")
+FALLBACKS = (
+    "no_rule",
+    "no_safetensors",
+    "empty_plan",
+    "no_cuda",
+    "no_tensor_filter",
+    "planning_failed",
+)
 
 Blocker = tuple[str, str]  # (fallback code, detail)
 
@@ -69,25 +75,33 @@ def preflight(call: calls.Call) -> tuple[Blocker | None, checkpoint.Selection | 
     rules.install(cls)
     # vLLM builds an MTP draft with the target's model config: probe with the config the
     # built class would hold, not only the draft's rewritten one.
-    is_unused = rules.probe_for(cls, call.vllm_config.model_config.hf_config,
-                                call.model_config.hf_config)
+    is_unused = rules.probe_for(
+        cls, call.vllm_config.model_config.hf_config, call.model_config.hf_config
+    )
     if is_unused is None:
-        return ("no_rule", f"{cls.__name__} has no checkpoint-weight rule to plan its "
-                           "tensors with"), None
+        return (
+            "no_rule",
+            f"{cls.__name__} has no checkpoint-weight rule to plan its tensors with",
+        ), None
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     lazy = calls.lazy_load_config(call.load_config)
     _, files, use_safetensors, _ = DefaultModelLoader(lazy)._prepare_weights(
-        call.model_config.model, None, call.model_config.revision, False, None)
+        call.model_config.model, None, call.model_config.revision, False, None
+    )
     if not use_safetensors:
         return ("no_safetensors", "the checkpoint has no safetensors shards"), None
     plan = checkpoint.select(files, is_unused)
     if not plan.files:
-        return ("empty_plan", f"the {cls.__name__} rule keeps none of the checkpoint's "
-                              "tensors"), None
+        return (
+            "empty_plan",
+            f"the {cls.__name__} rule keeps none of the checkpoint's tensors",
+        ), None
     device = call.load_config.device or call.vllm_config.device_config.device
-    for code, problem in (("no_cuda", cuda_unavailable(device)),
-                          ("no_tensor_filter", tensor_filter_supported())):
+    for code, problem in (
+        ("no_cuda", cuda_unavailable(device)),
+        ("no_tensor_filter", tensor_filter_supported()),
+    ):
         if problem:
             return (code, problem), None
     return None, plan

@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: The shard filters of vLLM's ``default_loader`` whose dropped files are never opened.
-FILE_FILTERS = ("filter_safetensors_files_by_weight_name",
-                "filter_mm_encoder_only_safetensors_files")
+FILE_FILTERS = (
+    "filter_safetensors_files_by_weight_name",
+    "filter_mm_encoder_only_safetensors_files",
+)
 _MARK = "__hybrid_draft_stats__"
 
 
@@ -63,8 +65,11 @@ class LoadStats:
         opened = [f for f in self.resolved if f not in self.dropped]
         return {
             "seconds": round(time.perf_counter() - self.started, 6),
-            "bytes_read": (now - self.read_at_start
-                           if now is not None and self.read_at_start is not None else None),
+            "bytes_read": (
+                now - self.read_at_start
+                if now is not None and self.read_at_start is not None
+                else None
+            ),
             "tensors": self.tensors,
             "shards": len(opened) if observed else None,
             "checkpoint_shards": len(self.resolved) if observed else None,
@@ -109,6 +114,7 @@ def _counting(get_all_weights: Callable[..., Any]) -> Callable[..., Any]:
             if stats is not None:
                 stats.tensors = (stats.tensors or 0) + 1
             yield item
+
     return wrapper
 
 
@@ -119,6 +125,7 @@ def _resolving(prepare_weights: Callable[..., Any]) -> Callable[..., Any]:
         with suppress(TypeError, IndexError):  # a return shape we don't know: no shard count
             resolved(result[1])
         return result
+
     return wrapper
 
 
@@ -128,6 +135,7 @@ def _dropping(file_filter: Callable[..., Any]) -> Callable[..., Any]:
         kept = file_filter(hf_weights_files, *args, **kwargs)
         dropped(set(hf_weights_files) - set(kept))
         return kept
+
     return wrapper
 
 
@@ -143,8 +151,11 @@ def instrument(default_loader: Any) -> str | None:
     if missing:
         return f"DefaultModelLoader has no {', '.join(missing)}"
     # A filter this vLLM lacks is one it never applies.
-    wraps += [(default_loader, name, _dropping) for name in FILE_FILTERS
-              if callable(getattr(default_loader, name, None))]
+    wraps += [
+        (default_loader, name, _dropping)
+        for name in FILE_FILTERS
+        if callable(getattr(default_loader, name, None))
+    ]
     for owner, name, wrap in wraps:
         current = getattr(owner, name)
         if not getattr(current, _MARK, False):

@@ -44,14 +44,15 @@ def _rules(args: argparse.Namespace) -> int:
 
     classes = drafts.draft_classes()
     if args.json:
-        print(json.dumps({"vllm_version": patch.vllm_version(), "classes": classes},
-                         indent=2))
+        print(json.dumps({"vllm_version": patch.vllm_version(), "classes": classes}, indent=2))
         return 0
     width = max(len(c["architecture"]) for c in classes)
     cls_width = max(len(c["class"]) for c in classes)
     for c in classes:
-        print(f"{c['architecture']:<{width}}  {c['class']:<{cls_width}}  {c['kind']:<10}  "
-              f"{c['rule']:<12}  {c['detail']}")
+        print(
+            f"{c['architecture']:<{width}}  {c['class']:<{cls_width}}  {c['kind']:<10}  "
+            f"{c['rule']:<12}  {c['detail']}"
+        )
     print(drafts.rules_summary(classes))
     return 0
 
@@ -68,8 +69,11 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     presets = synth.PRESETS[args.arch]
     preset = args.preset or ("default" if "default" in presets else "tiny")
     if preset not in presets:
-        print(f"hybrid-draft make-checkpoint: --preset {preset!r} is not one of --arch "
-              f"{args.arch}'s presets: {', '.join(presets)}", file=sys.stderr)
+        print(
+            f"hybrid-draft make-checkpoint: --preset {preset!r} is not one of --arch "
+            f"{args.arch}'s presets: {', '.join(presets)}",
+            file=sys.stderr,
+        )
         return 2
     kwargs = {"moe": args.moe} if args.arch not in ("qwen3_5", "qwen3") else {}
     layout = synth.ARCHITECTURES[args.arch](preset, **kwargs)
@@ -78,8 +82,10 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         synth.write_tokenizer(out, layout.config["vocab_size"])
     synth.write_checkpoint(out, layout, shards, fill=args.fill, seed=args.seed)
-    print(f"{out}: {args.arch}/{preset}, {len(shards)} shards, "
-          f"{len(layout.tensors)} tensors, {layout.nbytes / 1e6:.1f} MB")
+    print(
+        f"{out}: {args.arch}/{preset}, {len(shards)} shards, "
+        f"{len(layout.tensors)} tensors, {layout.nbytes / 1e6:.1f} MB"
+    )
     return 0
 
 
@@ -96,8 +102,10 @@ def _report(args: argparse.Namespace) -> int:
         with open(args.events_file, encoding="utf-8", errors="replace") as f:
             summary = report.summarize(report.read(f))
     except OSError as exc:
-        print(f"hybrid-draft report: cannot read {args.events_file}: {exc.strerror or exc}",
-              file=sys.stderr)
+        print(
+            f"hybrid-draft report: cannot read {args.events_file}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
         return 2
     print(json.dumps(summary, indent=2) if args.json else report.render(summary))
     return 0
@@ -123,13 +131,19 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="what a same-checkpoint MTP draft reads under each mode")
     pl.add_argument("model_dir")
     pl.add_argument("--json", action="store_true")
-    pl.add_argument("--trust-remote-code", action="store_true",
-                    help="let transformers run configuration code shipped with the checkpoint "
-                         "(never run otherwise)")
+    pl.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let transformers run configuration code shipped with the checkpoint "
+        "(never run otherwise)",
+    )
     pl.set_defaults(func=_plan)
 
-    r = sub.add_parser("rules", help="every speculative draft class vLLM registers and "
-                                     "whose checkpoint-weight rule prunes it")
+    r = sub.add_parser(
+        "rules",
+        help="every speculative draft class vLLM registers and "
+        "whose checkpoint-weight rule prunes it",
+    )
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=_rules)
 
@@ -139,29 +153,41 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("out_dir")
     m.add_argument("--arch", choices=sorted(synth.ARCHITECTURES), default="qwen3_5")
     listed = "; ".join(f"{a}: {', '.join(p)}" for a, p in synth.PRESETS.items())
-    m.add_argument("--preset", default=None,
-                   help=f"the shapes ({listed}); default: `default` where the architecture "
-                        f"has one, else `tiny`. `cpu` ({', '.join(synth.CPU_SERVABLE)}): "
-                        "shapes vLLM's CPU build serves")
+    m.add_argument(
+        "--preset",
+        default=None,
+        help=f"the shapes ({listed}); default: `default` where the architecture "
+        f"has one, else `tiny`. `cpu` ({', '.join(synth.CPU_SERVABLE)}): "
+        "shapes vLLM's CPU build serves",
+    )
     m.add_argument("--shards", type=int, default=2)
     m.add_argument("--mtp-own-shard", action=argparse.BooleanOptionalAction, default=True)
     m.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True)
     m.add_argument("--fill", choices=["normal", "noise", "sparse"], default="normal")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True)
-    m.add_argument("--if-missing", action="store_true",
-                   help="do nothing when OUT_DIR already holds a complete checkpoint")
+    m.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="do nothing when OUT_DIR already holds a complete checkpoint",
+    )
     m.set_defaults(func=_make_checkpoint)
 
-    s = sub.add_parser("smoke", help="check a running server: models, completions, "
-                                     "speculative metrics and the layer's events")
+    s = sub.add_parser(
+        "smoke",
+        help="check a running server: models, completions, "
+        "speculative metrics and the layer's events",
+    )
     from hybrid_draft.tools import smoke
 
     smoke.add_arguments(s)
     s.set_defaults(func=_smoke)
 
-    r = sub.add_parser("report", help="what each model load in an events file cost, and "
-                                      "what the draft saved against a second full pass")
+    r = sub.add_parser(
+        "report",
+        help="what each model load in an events file cost, and "
+        "what the draft saved against a second full pass",
+    )
     r.add_argument("events_file", help="the layer's JSONL events file (HYBRID_DRAFT_EVENTS_FILE)")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=_report)

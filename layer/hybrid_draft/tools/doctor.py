@@ -35,8 +35,11 @@ def check_installed() -> Check:
     if "hybrid_draft._bootstrap" not in pth.read_text():
         return False, f"layer: {pth} does not import hybrid_draft._bootstrap"
     if not _bootstrap.installed():
-        reason = (f"{_bootstrap.DISABLE_ENV} is set" if _bootstrap.DISABLE_ENV in
-                  __import__("os").environ else "the .pth did not run (python -S?)")
+        reason = (
+            f"{_bootstrap.DISABLE_ENV} is set"
+            if _bootstrap.DISABLE_ENV in __import__("os").environ
+            else "the .pth did not run (python -S?)"
+        )
         return False, f"layer: {pth} is installed but its hook is not active ({reason})"
     return True, f"layer: hybrid-draft {__version__} active in {sys.executable} via {pth}"
 
@@ -91,8 +94,10 @@ def check_config() -> Check:
     except settings.ConfigError as exc:
         return False, f"config: {exc}"
     where = current.config_path if current.config_exists else f"{current.config_path} (absent)"
-    return True, (f"config: mode={current.mode.value} ({current.mode.source}), "
-                  f"level={current.level.value}, file {where}")
+    return True, (
+        f"config: mode={current.mode.value} ({current.mode.source}), "
+        f"level={current.level.value}, file {where}"
+    )
 
 
 def check_rules() -> Check:
@@ -104,8 +109,14 @@ def check_rules() -> Check:
         return False, f"rules: cannot list vLLM's draft classes: {exc!r}"
 
 
-CHECKS: list[Callable[[], Check]] = [check_installed, check_config, check_vllm,
-                                     check_instanttensor, check_selective, check_rules]
+CHECKS: list[Callable[[], Check]] = [
+    check_installed,
+    check_config,
+    check_vllm,
+    check_instanttensor,
+    check_selective,
+    check_rules,
+]
 
 
 def isolated(check: Callable[[], Check]) -> Check:

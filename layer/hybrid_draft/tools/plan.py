@@ -40,20 +40,31 @@ def _plan_checkpoint(args: argparse.Namespace) -> int:
         return 2
     try:  # a rule reads the config: one that lacks what it needs fails here
         is_unused = planning.evaluated(shards, draft.is_unused)
-        vllm_rule = (is_unused if draft.vllm_rule is draft.is_unused
-                     else planning.evaluated(shards, draft.vllm_rule))
+        vllm_rule = (
+            is_unused
+            if draft.vllm_rule is draft.is_unused
+            else planning.evaluated(shards, draft.vllm_rule)
+        )
     except Exception as exc:
-        print(f"hybrid-draft plan: {args.model_dir}: the {draft.draft_class} weight rule "
-              f"fails on this config: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(
+            f"hybrid-draft plan: {args.model_dir}: the {draft.draft_class} weight rule "
+            f"fails on this config: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
         return 2
-    reads = planning.modes(shards, is_unused, vllm_rule, checks.selective_host_blocker(),
-                       draft_class=draft.draft_class or "draft")
+    reads = planning.modes(
+        shards,
+        is_unused,
+        vllm_rule,
+        checks.selective_host_blocker(),
+        draft_class=draft.draft_class or "draft",
+    )
     found = planning.warnings(shards, draft.draft_class, is_unused, draft.mtp_layers, draft.notes)
-    result = planning.report(args.model_dir, draft.draft_class, draft.rule_source, shards, reads,
-                         found)
+    result = planning.report(
+        args.model_dir, draft.draft_class, draft.rule_source, shards, reads, found
+    )
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
-
 
 
 def _gb(n: int | None) -> str:
@@ -73,26 +84,35 @@ def table(result: dict[str, Any]) -> str:
         f"checkpoint   {result['model_dir']}: {ck['shards']} shards, {ck['tensors']:,} "
         f"tensors, {_gb(ck['bytes'])}",
         f"draft class  {result['draft_class']}  (weight rule: {result['rule_source']})",
-        f"auto         {auto['action']} ({auto['reason']}) -> {auto['chosen_format']}"
-        f"{filtered}",
+        f"auto         {auto['action']} ({auto['reason']}) -> {auto['chosen_format']}{filtered}",
     ]
     for i, w in enumerate(result.get("warnings", [])):
         lines.append(f"{'warning' if i == 0 else '':<13}{w['code']}: {w['detail']}")
-    lines += ["", f"{'mode':<22}{'shards':>8}{'tensors':>10}{'bytes read':>16}"
-                  f"{'of checkpoint':>15}{'touched':>10}"]
+    lines += [
+        "",
+        f"{'mode':<22}{'shards':>8}{'tensors':>10}{'bytes read':>16}"
+        f"{'of checkpoint':>15}{'touched':>10}",
+    ]
     for name, r in result["modes"].items():
         tensors = "?" if r["tensors"] is None else f"{r['tensors']:,}"
-        share = "?" if r["bytes"] is None else (
-            f"{r['bytes'] / ck['bytes']:.2%}" if ck["bytes"] else f"{0:.2%}")
-        line = (f"{name:<22}{len(r['shards']):>8}{tensors:>10}{_gb(r['bytes']):>16}"
-                f"{share:>15}{r['touched_tensors']:>10,}")
+        share = (
+            "?"
+            if r["bytes"] is None
+            else (f"{r['bytes'] / ck['bytes']:.2%}" if ck["bytes"] else f"{0:.2%}")
+        )
+        line = (
+            f"{name:<22}{len(r['shards']):>8}{tensors:>10}{_gb(r['bytes']):>16}"
+            f"{share:>15}{r['touched_tensors']:>10,}"
+        )
         if r.get("fallback"):
             line += f"  fallback: {r['fallback']}"
         lines.append(line)
     for name, r in result["modes"].items():
         if r.get("fallback"):
             lines.append(f"{name} falls back to the auto row here: {r['detail']}")
-    lines.append("(a row touching more tensors than it keeps also reads up to ~2 readahead "
-                 "windows of each one it does not keep; ?: only the class's load_weights "
-                 "knows)")
+    lines.append(
+        "(a row touching more tensors than it keeps also reads up to ~2 readahead "
+        "windows of each one it does not keep; ?: only the class's load_weights "
+        "knows)"
+    )
     return "\n".join(lines)

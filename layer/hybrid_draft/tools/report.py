@@ -16,8 +16,18 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-LOAD_KEYS = ("role", "model", "load_format", "tensor_filter", "seconds", "bytes_read",
-             "tensors", "shards", "checkpoint_shards", "checkpoint_bytes")
+LOAD_KEYS = (
+    "role",
+    "model",
+    "load_format",
+    "tensor_filter",
+    "seconds",
+    "bytes_read",
+    "tensors",
+    "shards",
+    "checkpoint_shards",
+    "checkpoint_bytes",
+)
 
 
 def read(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -38,17 +48,23 @@ def read(lines: Iterable[str]) -> list[dict[str, Any]]:
 def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, Any]:
     full = draft.get("checkpoint_bytes")
     read_bytes = draft.get("bytes_read")
-    out: dict[str, Any] = {"full_pass_bytes": full, "bytes_read": read_bytes,
-                           "bytes_saved": None, "share_read": None}
+    out: dict[str, Any] = {
+        "full_pass_bytes": full,
+        "bytes_read": read_bytes,
+        "bytes_saved": None,
+        "share_read": None,
+    }
     if full and read_bytes is not None:
         out["bytes_saved"] = max(full - read_bytes, 0)
         out["share_read"] = read_bytes / full
     same = target is not None and target.get("model") == draft.get("model")
     out["full_pass_seconds"] = target.get("seconds") if same else None
     out["seconds"] = draft.get("seconds")
-    out["seconds_saved"] = (round(out["full_pass_seconds"] - out["seconds"], 6)
-                            if same and out["seconds"] is not None
-                            and out["full_pass_seconds"] is not None else None)
+    out["seconds_saved"] = (
+        round(out["full_pass_seconds"] - out["seconds"], 6)
+        if same and out["seconds"] is not None and out["full_pass_seconds"] is not None
+        else None
+    )
     return out
 
 
@@ -68,21 +84,27 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         row = {k: e.get(k) for k in LOAD_KEYS}
         decision = pending.pop(pid, None)
         if decision is not None and decision.get("role") == e.get("role"):
-            row.update(action=decision.get("action"), reason=decision.get("reason"),
-                       mode=decision.get("mode"))
+            row.update(
+                action=decision.get("action"),
+                reason=decision.get("reason"),
+                mode=decision.get("mode"),
+            )
         if kind == "hybrid_draft.loaded":
             proc["loads"].append(row)
         else:
-            proc["failures"].append({**row, "error_type": e.get("error_type"),
-                                     "error": e.get("error")})
+            proc["failures"].append(
+                {**row, "error_type": e.get("error_type"), "error": e.get("error")}
+            )
     for proc in processes.values():
         target = next((r for r in proc["loads"] if r["role"] == "target"), None)
         for row in proc["loads"]:
             if row["role"] == "draft":
                 row["vs_full_pass"] = _savings(row, target)
-    return {"processes": list(processes.values()),
-            "loads": sum(len(p["loads"]) for p in processes.values()),
-            "failures": sum(len(p["failures"]) for p in processes.values())}
+    return {
+        "processes": list(processes.values()),
+        "loads": sum(len(p["loads"]) for p in processes.values()),
+        "failures": sum(len(p["failures"]) for p in processes.values()),
+    }
 
 
 def _bytes(n: int | None) -> str:
@@ -104,37 +126,49 @@ def render(summary: dict[str, Any]) -> str:
     lines = []
     for proc in summary["processes"]:
         lines.append(f"process {proc['pid']}")
-        lines.append(f"  {'role':<7}{'format':<24}{'seconds':>9}{'read':>13}{'tensors':>9}"
-                     f"{'shards':>10}  decision")
+        lines.append(
+            f"  {'role':<7}{'format':<24}{'seconds':>9}{'read':>13}{'tensors':>9}"
+            f"{'shards':>10}  decision"
+        )
         for row in proc["loads"]:
             fmt = row["load_format"] or "?"
             if row.get("tensor_filter"):
                 fmt += " (filtered)"
-            shards = (f"{row['shards']}/{row['checkpoint_shards']}"
-                      if row["shards"] is not None else "?")
-            decision = (f"{row.get('action')} ({row.get('reason')})" if row.get("reason")
-                        else "")
-            lines.append(f"  {row['role'] or '?':<7}{fmt:<24}{_num(row['seconds'], '{:.2f}'):>9}"
-                         f"{_bytes(row['bytes_read']):>13}{_num(row['tensors']):>9}"
-                         f"{shards:>10}  {decision}")
+            shards = (
+                f"{row['shards']}/{row['checkpoint_shards']}" if row["shards"] is not None else "?"
+            )
+            decision = f"{row.get('action')} ({row.get('reason')})" if row.get("reason") else ""
+            lines.append(
+                f"  {row['role'] or '?':<7}{fmt:<24}{_num(row['seconds'], '{:.2f}'):>9}"
+                f"{_bytes(row['bytes_read']):>13}{_num(row['tensors']):>9}"
+                f"{shards:>10}  {decision}"
+            )
         for row in proc["loads"]:
             s = row.get("vs_full_pass")
             if not s:
                 continue
-            text = (f"  draft vs a second full pass: read {_bytes(s['bytes_read'])} of "
-                    f"{_bytes(s['full_pass_bytes'])}")
+            text = (
+                f"  draft vs a second full pass: read {_bytes(s['bytes_read'])} of "
+                f"{_bytes(s['full_pass_bytes'])}"
+            )
             if s["share_read"] is not None:
                 text += f" ({s['share_read']:.1%}), {_bytes(s['bytes_saved'])} not read"
             if s["seconds_saved"] is not None:
-                text += (f"; {s['seconds']:.2f} s against the target's "
-                         f"{s['full_pass_seconds']:.2f} s ({s['seconds_saved']:+.2f} s saved)")
+                text += (
+                    f"; {s['seconds']:.2f} s against the target's "
+                    f"{s['full_pass_seconds']:.2f} s ({s['seconds_saved']:+.2f} s saved)"
+                )
             lines.append(text)
         for row in proc["failures"]:
-            lines.append(f"  FAILED {row['role'] or '?'} load ({row['load_format']}) after "
-                         f"{_num(row['seconds'], '{:.2f}')} s: {row['error_type']}: "
-                         f"{row['error']}")
-    lines.append(f"{summary['loads']} load(s), {summary['failures']} failed, in "
-                 f"{len(summary['processes'])} process(es)")
+            lines.append(
+                f"  FAILED {row['role'] or '?'} load ({row['load_format']}) after "
+                f"{_num(row['seconds'], '{:.2f}')} s: {row['error_type']}: "
+                f"{row['error']}"
+            )
+    lines.append(
+        f"{summary['loads']} load(s), {summary['failures']} failed, in "
+        f"{len(summary['processes'])} process(es)"
+    )
     return "\n".join(lines)
 
 

@@ -63,8 +63,9 @@ def check_completions(responses: list[dict[str, Any]]) -> Result:
     empty = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t]
     if not texts or empty:
         return Result("completions", False, f"{len(empty)} of {len(texts)} returned no text")
-    return Result("completions", True, f"{len(texts)} completions returned text, e.g. "
-                                       f"{texts[0][:40]!r}")
+    return Result(
+        "completions", True, f"{len(texts)} completions returned text, e.g. {texts[0][:40]!r}"
+    )
 
 
 def draft_tokens(metrics_text: str) -> float | None:
@@ -84,8 +85,11 @@ def draft_tokens(metrics_text: str) -> float | None:
 def check_metrics(metrics_text: str) -> Result:
     total = draft_tokens(metrics_text)
     if total is None:
-        return Result("speculative metrics", False, f"no {DRAFT_TOKENS}_total in /metrics "
-                                                    "(is speculative decoding on?)")
+        return Result(
+            "speculative metrics",
+            False,
+            f"no {DRAFT_TOKENS}_total in /metrics (is speculative decoding on?)",
+        )
     if total <= 0:
         return Result("speculative metrics", False, f"{DRAFT_TOKENS}_total is {total:g}")
     return Result("speculative metrics", True, f"{DRAFT_TOKENS}_total = {total:g}")
@@ -108,25 +112,47 @@ def check_draft_decisions(drafts: list[dict[str, Any]], mode: str) -> Result:
         return Result(name, False, "no draft decision in the events file")
     expected = policy.DRAFT_FORMAT_BY_MODE[mode]
     matching = [e for e in drafts if e.get("chosen_format") == expected]
-    fallbacks = [e for e in drafts if mode == "selective"
-                 and e.get("reason") == "selective_fallback"
-                 and e.get("chosen_format") == policy.SAFETENSORS]
+    fallbacks = [
+        e
+        for e in drafts
+        if mode == "selective"
+        and e.get("reason") == "selective_fallback"
+        and e.get("chosen_format") == policy.SAFETENSORS
+    ]
     others = [e for e in drafts if e not in matching and e not in fallbacks]
     if others:
-        return Result(name, False, f"mode {mode} expects {expected}; draft decisions chose "
-                                   f"{', '.join(sorted({_chose(e) for e in others}))}")
+        return Result(
+            name,
+            False,
+            f"mode {mode} expects {expected}; draft decisions chose "
+            f"{', '.join(sorted({_chose(e) for e in others}))}",
+        )
     faults = [e for e in fallbacks if e.get("fallback") != NO_CUDA]
     if faults:
-        causes = sorted({f"{e.get('fallback') or 'no fallback code'}: {e.get('detail')}"
-                         for e in faults})
-        return Result(name, False, f"mode selective fell back to lazy safetensors for another "
-                                   f"cause than a host without CUDA: {'; '.join(causes)}")
+        causes = sorted(
+            {f"{e.get('fallback') or 'no fallback code'}: {e.get('detail')}" for e in faults}
+        )
+        return Result(
+            name,
+            False,
+            f"mode selective fell back to lazy safetensors for another "
+            f"cause than a host without CUDA: {'; '.join(causes)}",
+        )
     if fallbacks:
-        return Result(name, True, f"{len(fallbacks)} draft decision(s) fell back to lazy "
-                                  f"safetensors (no_cuda: {fallbacks[0].get('detail')}); "
-                                  "selective streams only on a CUDA host", warning=True)
-    return Result(name, True, f"{len(matching)} draft decision(s) chose {expected} "
-                              f"({matching[0].get('reason')}) in mode {mode}")
+        return Result(
+            name,
+            True,
+            f"{len(fallbacks)} draft decision(s) fell back to lazy "
+            f"safetensors (no_cuda: {fallbacks[0].get('detail')}); "
+            "selective streams only on a CUDA host",
+            warning=True,
+        )
+    return Result(
+        name,
+        True,
+        f"{len(matching)} draft decision(s) chose {expected} "
+        f"({matching[0].get('reason')}) in mode {mode}",
+    )
 
 
 def check_loads(events: list[dict[str, Any]]) -> Result:
@@ -135,16 +161,22 @@ def check_loads(events: list[dict[str, Any]]) -> Result:
     failed = [e for e in events if e.get("event") == "hybrid_draft.load_failed"]
     if failed:
         first = failed[0]
-        return Result("loads", False, f"{len(failed)} load(s) failed, e.g. the "
-                                      f"{first.get('role')}: {first.get('error_type')}: "
-                                      f"{first.get('error')}")
+        return Result(
+            "loads",
+            False,
+            f"{len(failed)} load(s) failed, e.g. the "
+            f"{first.get('role')}: {first.get('error_type')}: "
+            f"{first.get('error')}",
+        )
     roles = {r: [e for e in loaded if e.get("role") == r] for r in ("target", "draft")}
     missing = [r for r, es in roles.items() if not es]
     if missing:
-        return Result("loads", False, f"no hybrid_draft.loaded event for the "
-                                      f"{' and the '.join(missing)}")
-    shown = ", ".join(f"{r} {es[0].get('load_format')} in {es[0].get('seconds')} s"
-                      for r, es in roles.items())
+        return Result(
+            "loads", False, f"no hybrid_draft.loaded event for the {' and the '.join(missing)}"
+        )
+    shown = ", ".join(
+        f"{r} {es[0].get('load_format')} in {es[0].get('seconds')} s" for r, es in roles.items()
+    )
     return Result("loads", True, f"{len(loaded)} load(s) reported: {shown}")
 
 
@@ -152,12 +184,19 @@ def check_events(events: list[dict[str, Any]], mode: str) -> list[Result]:
     decisions = [e for e in events if e.get("event") == "hybrid_draft.decision"]
     targets = [e for e in decisions if e.get("role") == "target"]
     drafts = [e for e in decisions if e.get("role") == "draft"]
-    kept = [e for e in targets if e.get("chosen_format") == policy.INSTANTTENSOR
-            and e.get("action") == "kept"]
+    kept = [
+        e
+        for e in targets
+        if e.get("chosen_format") == policy.INSTANTTENSOR and e.get("action") == "kept"
+    ]
     return [
-        Result("target decision", bool(kept),
-               f"{len(kept)} of {len(targets)} target decisions kept instanttensor"
-               if targets else "no target decision in the events file"),
+        Result(
+            "target decision",
+            bool(kept),
+            f"{len(kept)} of {len(targets)} target decisions kept instanttensor"
+            if targets
+            else "no target decision in the events file",
+        ),
         check_draft_decisions(drafts, mode),
     ]
 
@@ -168,8 +207,9 @@ def _get(url: str, timeout: float = 30.0) -> str:
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
 
@@ -195,8 +235,9 @@ def load_events(events_file: str) -> tuple[list[dict[str, Any]] | None, Result |
         return None, Result("events", False, f"cannot read {events_file}: {exc}")
 
 
-def run_checks(base: str, model: str | None, events_file: str, mode: str,
-               count: int) -> list[Result]:
+def run_checks(
+    base: str, model: str | None, events_file: str, mode: str, count: int
+) -> list[Result]:
     results: list[Result] = []
     try:
         models = json.loads(_get(f"{base}/v1/models"))
@@ -207,9 +248,18 @@ def run_checks(base: str, model: str | None, events_file: str, mode: str,
     responses = []
     for prompt in (PROMPTS * count)[:count]:
         try:
-            responses.append(_post(f"{base}/v1/completions", {
-                "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True}))
+            responses.append(
+                _post(
+                    f"{base}/v1/completions",
+                    {
+                        "model": model,
+                        "prompt": prompt,
+                        "max_tokens": 24,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                )
+            )
         except (urllib.error.URLError, OSError, ValueError) as exc:
             responses.append({"error": str(exc)})
     results.append(check_completions(responses))
@@ -228,15 +278,23 @@ def run_checks(base: str, model: str | None, events_file: str, mode: str,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=os.environ.get("SMOKE_URL", "http://localhost:8000"))
-    p.add_argument("--model", default=os.environ.get("SMOKE_MODEL") or None,
-                   help="served model name (default: the first /v1/models lists)")
-    p.add_argument("--events-file", default=os.environ.get("HYBRID_DRAFT_EVENTS_FILE"),
-                   help="the layer's JSONL events file the server writes")
-    p.add_argument("--mode", default=None,
-                   help="the draft mode the server runs (default: read the settings)")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("SMOKE_MODEL") or None,
+        help="served model name (default: the first /v1/models lists)",
+    )
+    p.add_argument(
+        "--events-file",
+        default=os.environ.get("HYBRID_DRAFT_EVENTS_FILE"),
+        help="the layer's JSONL events file the server writes",
+    )
+    p.add_argument(
+        "--mode", default=None, help="the draft mode the server runs (default: read the settings)"
+    )
     p.add_argument("--completions", type=int, default=3)
-    p.add_argument("--wait", type=float, default=0.0,
-                   help="seconds to wait for /health before checking")
+    p.add_argument(
+        "--wait", type=float, default=0.0, help="seconds to wait for /health before checking"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -251,8 +309,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"FAIL settings: {exc}", flush=True)
             return 1
     if mode not in policy.DRAFT_FORMAT_BY_MODE:
-        print(f"FAIL settings: mode {mode!r} is not one of "
-              f"{', '.join(policy.DRAFT_FORMAT_BY_MODE)}", flush=True)
+        print(
+            f"FAIL settings: mode {mode!r} is not one of {', '.join(policy.DRAFT_FORMAT_BY_MODE)}",
+            flush=True,
+        )
         return 1
     if not args.events_file:
         print("FAIL events: no events file (--events-file or HYBRID_DRAFT_EVENTS_FILE)")
@@ -268,6 +328,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nload report ({args.events_file}):\n{report.text(events)}\n", flush=True)
     failed = [r for r in results if not r.ok]
     warned = sum(r.ok and r.warning for r in results)
-    print(f"smoke: {len(results) - len(failed)} passed"
-          f"{f' ({warned} with a warning)' if warned else ''}, {len(failed)} failed", flush=True)
+    print(
+        f"smoke: {len(results) - len(failed)} passed"
+        f"{f' ({warned} with a warning)' if warned else ''}, {len(failed)} failed",
+        flush=True,
+    )
     return 1 if failed else 0

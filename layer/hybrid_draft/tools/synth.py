@@ -111,17 +111,31 @@ def _with_nextn_layer(config: dict, p: dict, block: Any, *, own_embed_and_head: 
 QWEN3_5_PRESETS: dict[str, dict] = {
     # CPU tests: the smallest shapes vLLM's CPU path accepts.
     "tiny": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
     ),
     # The compose default: head dims GPU attention and FLA kernels support (128).
     "default": dict(
-        vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-        linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=2, linear_num_value_heads=4,
+        vocab_size=512,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
     ),
 }
 
@@ -146,7 +160,9 @@ def qwen3_5(preset: str = "tiny", **overrides: int) -> Layout:
         "bos_token_id": 0,
         "eos_token_id": 1,
         "rope_parameters": {
-            "rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
         },
     }
     h, inter = p["hidden_size"], p["intermediate_size"]
@@ -206,11 +222,23 @@ def qwen3_5(preset: str = "tiny", **overrides: int) -> Layout:
 # --- DeepSeek-V3 (MLA attention, optional MoE and FP8 block scales) -----------------------
 
 _DEEPSEEK_V3_TINY: dict = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=2, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
-    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
-    topk_group=1, first_k_dense_replace=1,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
 )
 
 DEEPSEEK_V3_PRESETS: dict[str, dict] = {
@@ -221,11 +249,23 @@ DEEPSEEK_V3_PRESETS: dict[str, dict] = {
     "cpu": {**_DEEPSEEK_V3_TINY, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
     # The real DeepSeek-V3/R1 shapes: 61 layers, 256 experts, FP8 with 128x128 scales.
     "full": dict(
-        vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
-        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
-        n_group=8, topk_group=4, first_k_dense_replace=3,
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=3,
     ),
 }
 
@@ -265,7 +305,9 @@ def deepseek_v3(
     }
     if fp8:
         config["quantization_config"] = {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
             "weight_block_size": [128, 128],
         }
     h, nh = p["hidden_size"], p["num_attention_heads"]
@@ -277,11 +319,18 @@ def deepseek_v3(
         _linear(t, f"{a}q_a_proj", p["q_lora_rank"], h, "BF16", fp8)
         t.append(Tensor(f"{a}q_a_layernorm.weight", (p["q_lora_rank"],)))
         _linear(t, f"{a}q_b_proj", nh * qk, p["q_lora_rank"], "BF16", fp8)
-        _linear(t, f"{a}kv_a_proj_with_mqa", p["kv_lora_rank"] + p["qk_rope_head_dim"], h,
-                "BF16", fp8)
+        _linear(
+            t, f"{a}kv_a_proj_with_mqa", p["kv_lora_rank"] + p["qk_rope_head_dim"], h, "BF16", fp8
+        )
         t.append(Tensor(f"{a}kv_a_layernorm.weight", (p["kv_lora_rank"],)))
-        _linear(t, f"{a}kv_b_proj", nh * (p["qk_nope_head_dim"] + p["v_head_dim"]),
-                p["kv_lora_rank"], "BF16", fp8)
+        _linear(
+            t,
+            f"{a}kv_b_proj",
+            nh * (p["qk_nope_head_dim"] + p["v_head_dim"]),
+            p["kv_lora_rank"],
+            "BF16",
+            fp8,
+        )
         _linear(t, f"{a}o_proj", h, nh * p["v_head_dim"], "BF16", fp8)
         t.append(Tensor(f"{prefix}post_attention_layernorm.weight", (h,)))
         _mlp(t, f"{prefix}mlp.", p, idx >= p["first_k_dense_replace"], fp8)
@@ -294,15 +343,33 @@ def deepseek_v3(
 
 GLM4_MOE_PRESETS: dict[str, dict] = {
     "tiny": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
     ),
     # What vLLM's CPU build serves: its CPU attention refuses head_dim 16, takes 32.
     "cpu": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
     ),
 }
 
@@ -341,9 +408,12 @@ def glm4_moe(preset: str = "tiny", *, moe: bool = True, **overrides: int) -> Lay
         a = f"{prefix}self_attn."
         t = [
             Tensor(f"{prefix}input_layernorm.weight", (h,)),
-            Tensor(f"{a}q_proj.weight", (nh * hd, h)), Tensor(f"{a}q_proj.bias", (nh * hd,)),
-            Tensor(f"{a}k_proj.weight", (nkv * hd, h)), Tensor(f"{a}k_proj.bias", (nkv * hd,)),
-            Tensor(f"{a}v_proj.weight", (nkv * hd, h)), Tensor(f"{a}v_proj.bias", (nkv * hd,)),
+            Tensor(f"{a}q_proj.weight", (nh * hd, h)),
+            Tensor(f"{a}q_proj.bias", (nh * hd,)),
+            Tensor(f"{a}k_proj.weight", (nkv * hd, h)),
+            Tensor(f"{a}k_proj.bias", (nkv * hd,)),
+            Tensor(f"{a}v_proj.weight", (nkv * hd, h)),
+            Tensor(f"{a}v_proj.bias", (nkv * hd,)),
             Tensor(f"{a}o_proj.weight", (h, nh * hd)),
             Tensor(f"{prefix}post_attention_layernorm.weight", (h,)),
         ]
@@ -359,14 +429,26 @@ def glm4_moe(preset: str = "tiny", *, moe: bool = True, **overrides: int) -> Lay
 def qwen3(preset: str = "tiny", **overrides: int) -> Layout:
     """A dense ``Qwen3ForCausalLM``: the kind of model ``method: draft_model`` runs."""
     p = {**QWEN3_5_PRESETS[preset], "num_hidden_layers": 2, **overrides}
-    for key in ("linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                "linear_num_value_heads"):
+    for key in (
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+    ):
         p.pop(key, None)
     config = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **p,
-        "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **p,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "attention_bias": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
     }
     h, inter, hd = p["hidden_size"], p["intermediate_size"], p["head_dim"]
     nh, nkv = p["num_attention_heads"], p["num_key_value_heads"]
@@ -390,11 +472,19 @@ def qwen3(preset: str = "tiny", **overrides: int) -> Layout:
     return Layout(config, tensors)
 
 
-ARCHITECTURES = {"qwen3_5": qwen3_5, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
-                 "qwen3": qwen3}
+ARCHITECTURES = {
+    "qwen3_5": qwen3_5,
+    "deepseek_v3": deepseek_v3,
+    "glm4_moe": glm4_moe,
+    "qwen3": qwen3,
+}
 #: Each architecture's presets (``qwen3`` takes Qwen3.5's shapes).
-PRESETS = {"qwen3_5": QWEN3_5_PRESETS, "deepseek_v3": DEEPSEEK_V3_PRESETS,
-           "glm4_moe": GLM4_MOE_PRESETS, "qwen3": QWEN3_5_PRESETS}
+PRESETS = {
+    "qwen3_5": QWEN3_5_PRESETS,
+    "deepseek_v3": DEEPSEEK_V3_PRESETS,
+    "glm4_moe": GLM4_MOE_PRESETS,
+    "qwen3": QWEN3_5_PRESETS,
+}
 #: vLLM's CPU build serves these (``hybrid-draft make-checkpoint DIR --arch A --preset cpu``).
 CPU_SERVABLE = ("deepseek_v3", "glm4_moe")
 
@@ -403,7 +493,10 @@ CPU_SERVABLE = ("deepseek_v3", "glm4_moe")
 
 
 def shard(
-    layout: Layout, *, shard_bytes: int | None = None, num_shards: int | None = None,
+    layout: Layout,
+    *,
+    shard_bytes: int | None = None,
+    num_shards: int | None = None,
     mtp_own_shard: bool = False,
 ) -> list[list[Tensor]]:
     """Pack tensors in export order into shards of about ``shard_bytes``, or into exactly
@@ -446,8 +539,11 @@ def _header(tensors: list[Tensor]) -> tuple[bytes, int]:
     meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
-        meta[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
-                        "data_offsets": [offset, offset + t.nbytes]}
+        meta[t.name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(meta, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -510,12 +606,17 @@ def is_complete(directory: str | os.PathLike[str]) -> bool:
     """
     d = Path(directory)
     return (d / "config.json").is_file() and (
-        (d / checkpoint.INDEX_NAME).is_file() or (d / "model.safetensors").is_file())
+        (d / checkpoint.INDEX_NAME).is_file() or (d / "model.safetensors").is_file()
+    )
 
 
 def write_checkpoint(
-    out_dir: str | os.PathLike[str], layout: Layout, shards: list[list[Tensor]], *,
-    fill: str = "normal", seed: int = 0,
+    out_dir: str | os.PathLike[str],
+    layout: Layout,
+    shards: list[list[Tensor]],
+    *,
+    fill: str = "normal",
+    seed: int = 0,
 ) -> Path:
     """Write ``config.json``, the shards and, last, the safetensors index; return the directory.
 
@@ -564,19 +665,30 @@ def write_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_tokens([AddedToken(f"<t{i}>", special=False, normalized=False)
-                    for i in range(len(vocab), vocab_size)])
+    tok.add_tokens(
+        [
+            AddedToken(f"<t{i}>", special=False, normalized=False)
+            for i in range(len(vocab), vocab_size)
+        ]
+    )
     out = Path(out_dir)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "model_max_length": 4096,
-        "chat_template": (
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant: {% endif %}"
-        ),
-    }, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "model_max_length": 4096,
+                "chat_template": (
+                    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}assistant: {% endif %}"
+                ),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 0, "eos_token_id": 1}) + "\n"
     )
-

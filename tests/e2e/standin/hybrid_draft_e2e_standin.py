@@ -25,8 +25,10 @@ import os
 import sys
 from typing import Any
 
-TARGETS = ("vllm.model_executor.model_loader.weight_utils",
-           "vllm.model_executor.model_loader.default_loader")
+TARGETS = (
+    "vllm.model_executor.model_loader.weight_utils",
+    "vllm.model_executor.model_loader.default_loader",
+)
 NAME = "instanttensor_weights_iterator"
 LOG_ENV = "HYBRID_DRAFT_STANDIN_LOG"
 _MARK = "_hybrid_draft_e2e_standin"
@@ -48,19 +50,27 @@ def record(**fields: Any) -> None:
 def make_standin(weight_utils: Any) -> Any:
     real = getattr(weight_utils, NAME)
 
-    def instanttensor_weights_iterator(hf_weights_files: list[str], use_tqdm_on_load: bool,
-                                       local_expert_ids: set[int] | None = None,
-                                       *args: Any, **kwargs: Any) -> Any:
+    def instanttensor_weights_iterator(
+        hf_weights_files: list[str],
+        use_tqdm_on_load: bool,
+        local_expert_ids: set[int] | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         from vllm.platforms import current_platform
 
         if current_platform.is_cuda():  # a real GPU: nothing to stand in for
             return real(hf_weights_files, use_tqdm_on_load, local_expert_ids, *args, **kwargs)
         files = list(hf_weights_files)
-        record(event="call", files=sorted(os.path.basename(f) for f in files),
-               model_dir=os.path.dirname(os.path.abspath(files[0])) if files else None,
-               local_expert_ids=sorted(local_expert_ids) if local_expert_ids else None)
-        return weight_utils.safetensors_weights_iterator(files, use_tqdm_on_load, "lazy",
-                                                         local_expert_ids)
+        record(
+            event="call",
+            files=sorted(os.path.basename(f) for f in files),
+            model_dir=os.path.dirname(os.path.abspath(files[0])) if files else None,
+            local_expert_ids=sorted(local_expert_ids) if local_expert_ids else None,
+        )
+        return weight_utils.safetensors_weights_iterator(
+            files, use_tqdm_on_load, "lazy", local_expert_ids
+        )
 
     instanttensor_weights_iterator.__wrapped__ = real  # type: ignore[attr-defined]
     setattr(instanttensor_weights_iterator, _MARK, True)

@@ -31,15 +31,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=float, default=8.0, help="checkpoint size in GiB (default 8)")
     p.add_argument("--runs", type=int, default=3, help="cold runs per strategy (default 3)")
     p.add_argument("--out", default="bench-out", help="where bench.json and bench.png go")
-    p.add_argument("--checkpoint", default=None,
-                   help="checkpoint directory (default OUT/checkpoint-SIZEGiB; reused)")
-    p.add_argument("--strategies", default=None,
-                   help="comma-separated subset (default: every CPU strategy, and the GPU "
-                        "ones when CUDA is present)")
-    p.add_argument("--startup-runs", type=int, default=40,
-                   help="interpreter starts per variant for the .pth cost (0 skips)")
-    p.add_argument("--hook-runs", type=int, default=3,
-                   help="fresh processes timing the model-loader hook (0 skips)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint directory (default OUT/checkpoint-SIZEGiB; reused)",
+    )
+    p.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated subset (default: every CPU strategy, and the GPU "
+        "ones when CUDA is present)",
+    )
+    p.add_argument(
+        "--startup-runs",
+        type=int,
+        default=40,
+        help="interpreter starts per variant for the .pth cost (0 skips)",
+    )
+    p.add_argument(
+        "--hook-runs",
+        type=int,
+        default=3,
+        help="fresh processes timing the model-loader hook (0 skips)",
+    )
 
 
 # --- the checkpoint ---------------------------------------------------------------------
@@ -47,11 +61,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _dims(hidden: int) -> dict[str, int]:
     return dict(
-        hidden_size=hidden, vocab_size=hidden, intermediate_size=hidden,
-        moe_intermediate_size=hidden // 8, num_attention_heads=max(1, hidden // 128),
-        q_lora_rank=hidden * 3 // 8, kv_lora_rank=hidden // 8, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        hidden_size=hidden,
+        vocab_size=hidden,
+        intermediate_size=hidden,
+        moe_intermediate_size=hidden // 8,
+        num_attention_heads=max(1, hidden // 128),
+        q_lora_rank=hidden * 3 // 8,
+        kv_lora_rank=hidden // 8,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
     )
 
 
@@ -128,11 +153,14 @@ def draft_plan(directory: Path) -> dict[str, Any]:
         "files_pruned": [by_name[n] for n in reads["lazy_pruned"].shards],
         "tensor_ranges": ranges,
         "meta": meta,
-        "checkpoint": {"shards": len(shards), "tensors": sum(len(s.tensors) for s in shards),
-                       "bytes": sum(s.nbytes for s in shards),
-                       "draft_bytes": reads["selective"].nbytes,
-                       "draft_tensors": reads["selective"].tensors,
-                       "draft_shards": len(reads["selective"].shards)},
+        "checkpoint": {
+            "shards": len(shards),
+            "tensors": sum(len(s.tensors) for s in shards),
+            "bytes": sum(s.nbytes for s in shards),
+            "draft_bytes": reads["selective"].nbytes,
+            "draft_tensors": reads["selective"].tensors,
+            "draft_shards": len(reads["selective"].shards),
+        },
     }
 
 
@@ -141,12 +169,20 @@ def draft_plan(directory: Path) -> dict[str, Any]:
 
 def run_strategy(name: str, shared: dict[str, Any], runs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {**shared, "strategy": name, "runs": runs, "device": "cuda:0",
-                "result_file": os.path.join(tmp, "result.json")}
+        spec = {
+            **shared,
+            "strategy": name,
+            "runs": runs,
+            "device": "cuda:0",
+            "result_file": os.path.join(tmp, "result.json"),
+        }
         spec_file = os.path.join(tmp, "spec.json")
         Path(spec_file).write_text(json.dumps(spec))
-        subprocess.run([sys.executable, "-m", "hybrid_draft.tools.bench.strategies", spec_file],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "hybrid_draft.tools.bench.strategies", spec_file],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         return json.loads(Path(spec["result_file"]).read_text())
 
 
@@ -183,17 +219,24 @@ def _fmt_bytes(n: float) -> str:
 
 
 def table(result: dict[str, Any], key: str = "strategies") -> str:
-    rows = [f"{'strategy':<14}{'median s':>10}{'spread s':>16}{'GB/s':>8}{'bytes read':>13}"
-            f"{'resident':>12}{'peak RSS':>11}{'/ limit':>9}{'full /':>8}"]
+    rows = [
+        f"{'strategy':<14}{'median s':>10}{'spread s':>16}{'GB/s':>8}{'bytes read':>13}"
+        f"{'resident':>12}{'peak RSS':>11}{'/ limit':>9}{'full /':>8}"
+    ]
     for name, s in result[key].items():
         spread = f"{s['min_seconds']:.3f}-{s['max_seconds']:.3f}"
         vs = f"{s['vs_limit']:.2f}x" if s.get("vs_limit") else "-"
         up = f"{s['full_pass_speedup']:.1f}x" if s.get("full_pass_speedup") else "-"
-        rows.append(f"{name:<14}{s['median_seconds']:>10.3f}{spread:>16}{s['gb_per_s']:>8.2f}"
-                    f"{_fmt_bytes(s['bytes_read']):>13}{_fmt_bytes(s['resident_bytes']):>12}"
-                    f"{_fmt_bytes(s['peak_rss']):>11}{vs:>9}{up:>8}")
-    rows += [f"({name} ran {s['ran']})" for name, s in result[key].items()
-             if s.get("ran") and not s["ran"].startswith(_PRODUCT_FORMATS.get(name, name))]
+        rows.append(
+            f"{name:<14}{s['median_seconds']:>10.3f}{spread:>16}{s['gb_per_s']:>8.2f}"
+            f"{_fmt_bytes(s['bytes_read']):>13}{_fmt_bytes(s['resident_bytes']):>12}"
+            f"{_fmt_bytes(s['peak_rss']):>11}{vs:>9}{up:>8}"
+        )
+    rows += [
+        f"({name} ran {s['ran']})"
+        for name, s in result[key].items()
+        if s.get("ran") and not s["ran"].startswith(_PRODUCT_FORMATS.get(name, name))
+    ]
     return "\n".join(rows)
 
 
@@ -215,18 +258,28 @@ def chart(result: dict[str, Any], path: Path) -> None:
         med = [result[key][n]["median_seconds"] for n in names]
         lo = [m - result[key][n]["min_seconds"] for n, m in zip(names, med, strict=True)]
         hi = [result[key][n]["max_seconds"] - m for n, m in zip(names, med, strict=True)]
-        bars = ax.bar(names, med, yerr=[lo, hi], capsize=4,
-                      color=["#b0b0b0" if n in ("full_pass", "it_full") else "#3b7dd8"
-                             for n in names])
+        bars = ax.bar(
+            names,
+            med,
+            yerr=[lo, hi],
+            capsize=4,
+            color=["#b0b0b0" if n in ("full_pass", "it_full") else "#3b7dd8" for n in names],
+        )
         for bar, n in zip(bars, names, strict=True):
             s = result[key][n]
-            ax.annotate(f"{_fmt_bytes(s['bytes_read'])}\n{s['gb_per_s']:.2f} GB/s",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                f"{_fmt_bytes(s['bytes_read'])}\n{s['gb_per_s']:.2f} GB/s",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_ylabel("seconds (median of cold runs; bars: min-max)")
-        ax.set_title(f"{'GPU' if key == 'gpu_strategies' else 'CPU'} draft load, "
-                     f"{_fmt_bytes(ck['bytes'])} checkpoint, draft {_fmt_bytes(ck['draft_bytes'])}",
-                     fontsize=10)
+        ax.set_title(
+            f"{'GPU' if key == 'gpu_strategies' else 'CPU'} draft load, "
+            f"{_fmt_bytes(ck['bytes'])} checkpoint, draft {_fmt_bytes(ck['draft_bytes'])}",
+            fontsize=10,
+        )
         ax.margins(y=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -234,12 +287,16 @@ def chart(result: dict[str, Any], path: Path) -> None:
 
 
 def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpus": os.cpu_count()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f
-                                if ln.startswith("model name")), None)
+            info["cpu"] = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None
+            )
         with open("/proc/meminfo") as f:
             info["memory_bytes"] = int(f.readline().split()[1]) * 1024
     except OSError:
@@ -259,8 +316,11 @@ def main(args: argparse.Namespace) -> int:
     if not gpu:  # vLLM (here and in the workers, which inherit this) runs on its CPU platform
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     shared = draft_plan(directory)
-    chosen = (args.strategies.split(",") if args.strategies
-              else [*CPU_STRATEGIES, *(GPU_STRATEGIES if gpu else ())])
+    chosen = (
+        args.strategies.split(",")
+        if args.strategies
+        else [*CPU_STRATEGIES, *(GPU_STRATEGIES if gpu else ())]
+    )
     if not vllm_available():
         skipped = [s for s in chosen if s in NEEDS_VLLM]
         if skipped:
@@ -268,14 +328,21 @@ def main(args: argparse.Namespace) -> int:
         chosen = [s for s in chosen if s not in NEEDS_VLLM]
     unknown = set(chosen) - set(CPU_STRATEGIES) - set(GPU_STRATEGIES)
     if unknown:
-        print(f"unknown strategies {sorted(unknown)}; accepted: "
-              f"{', '.join(CPU_STRATEGIES + GPU_STRATEGIES)}", file=sys.stderr)
+        print(
+            f"unknown strategies {sorted(unknown)}; accepted: "
+            f"{', '.join(CPU_STRATEGIES + GPU_STRATEGIES)}",
+            file=sys.stderr,
+        )
         return 2
-    result: dict[str, Any] = {"checkpoint": shared["checkpoint"],
-                              "draft_class": shared["draft_class"],
-                              "rule_source": shared["rule_source"],
-                              "runs": args.runs, "machine": machine(),
-                              "strategies": {}, "gpu_strategies": {}}
+    result: dict[str, Any] = {
+        "checkpoint": shared["checkpoint"],
+        "draft_class": shared["draft_class"],
+        "rule_source": shared["rule_source"],
+        "runs": args.runs,
+        "machine": machine(),
+        "strategies": {},
+        "gpu_strategies": {},
+    }
     for name in chosen:
         key = "gpu_strategies" if name in GPU_STRATEGIES else "strategies"
         print(f"running {name} ({args.runs} cold runs) ...", flush=True)
@@ -297,10 +364,12 @@ def main(args: argparse.Namespace) -> int:
 
 def print_report(result: dict[str, Any]) -> None:
     ck = result["checkpoint"]
-    print(f"\ncheckpoint: {ck['shards']} shards, {ck['tensors']} tensors, "
-          f"{_fmt_bytes(ck['bytes'])}; draft ({result['draft_class']}, rule: "
-          f"{result['rule_source']}): {ck['draft_tensors']} tensors in {ck['draft_shards']} "
-          f"shards, {_fmt_bytes(ck['draft_bytes'])} ({ck['draft_bytes'] / ck['bytes']:.1%})")
+    print(
+        f"\ncheckpoint: {ck['shards']} shards, {ck['tensors']} tensors, "
+        f"{_fmt_bytes(ck['bytes'])}; draft ({result['draft_class']}, rule: "
+        f"{result['rule_source']}): {ck['draft_tensors']} tensors in {ck['draft_shards']} "
+        f"shards, {_fmt_bytes(ck['draft_bytes'])} ({ck['draft_bytes'] / ck['bytes']:.1%})"
+    )
     if result["strategies"]:
         print("\nCPU, cold page cache, median of", result["runs"], "runs:")
         print(table(result))
@@ -309,13 +378,17 @@ def print_report(result: dict[str, Any]) -> None:
         print(table(result, "gpu_strategies"))
     st = result.get("startup", {})
     if "added_median" in st:
-        print(f"\n.pth cost: python -c pass {st['python_c_pass']['median'] * 1e3:.1f} ms; "
-              f"site with the layer {st['site_with_layer']['median'] * 1e3:.2f} ms, without "
-              f"{st['site_without_layer']['median'] * 1e3:.2f} ms: "
-              f"{st['added_median'] * 1e3:+.2f} ms (median of {st['python_c_pass']['runs']})")
+        print(
+            f"\n.pth cost: python -c pass {st['python_c_pass']['median'] * 1e3:.1f} ms; "
+            f"site with the layer {st['site_with_layer']['median'] * 1e3:.2f} ms, without "
+            f"{st['site_without_layer']['median'] * 1e3:.2f} ms: "
+            f"{st['added_median'] * 1e3:+.2f} ms (median of {st['python_c_pass']['runs']})"
+        )
     if "model_loader" in st:
         ml = st["model_loader"]
-        print(f"hook cost: importing vllm.model_executor.model_loader takes "
-              f"{ml['model_loader_import']['median']:.2f} s; the hook adds "
-              f"{ml['hook']['median'] * 1e3:.1f} ms (median of {ml['hook']['runs']}, "
-              f"{ml['hook']['min'] * 1e3:.1f}-{ml['hook']['max'] * 1e3:.1f} ms)")
+        print(
+            f"hook cost: importing vllm.model_executor.model_loader takes "
+            f"{ml['model_loader_import']['median']:.2f} s; the hook adds "
+            f"{ml['hook']['median'] * 1e3:.1f} ms (median of {ml['hook']['runs']}, "
+            f"{ml['hook']['min'] * 1e3:.1f}-{ml['hook']['max'] * 1e3:.1f} ms)"
+        )

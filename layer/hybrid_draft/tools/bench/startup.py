@@ -39,14 +39,17 @@ HOOK = (
 
 def _time(cmd: list[str], env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - start
 
 
 def _stats(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "runs": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "runs": len(values),
+    }
 
 
 def pth_cost(runs: int, python: str = sys.executable) -> dict[str, Any]:
@@ -69,8 +72,9 @@ def hook_cost(runs: int, python: str = sys.executable) -> dict[str, Any]:
     env = {**os.environ, "HYBRID_DRAFT_DISABLE": "1"}
     imports, hooks = [], []
     for _ in range(runs):
-        out = subprocess.run([python, "-c", HOOK], check=True, env=env, capture_output=True,
-                             text=True).stdout
+        out = subprocess.run(
+            [python, "-c", HOOK], check=True, env=env, capture_output=True, text=True
+        ).stdout
         last = json.loads(out.strip().splitlines()[-1])
         imports.append(last["import"])
         hooks.append(last["hook"])

@@ -33,8 +33,15 @@ from hybrid_draft.tools.bench import pagecache
 CHUNK = 64 << 20
 CPU_STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "auto", "selective", "limit")
 GPU_STRATEGIES = ("it_full", "it_selective", "lazy_to_gpu")
-TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32",
-                "F8_E4M3": "float8_e4m3fn", "I64": "int64", "I32": "int32", "U8": "uint8"}
+TORCH_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F8_E4M3": "float8_e4m3fn",
+    "I64": "int64",
+    "I32": "int32",
+    "U8": "uint8",
+}
 
 
 def _read_fully(fd: int, view: memoryview, offset: int) -> None:
@@ -54,6 +61,7 @@ def full_pass(spec: dict[str, Any]) -> Callable[[], None]:
             with open(path, "rb", buffering=0) as f:
                 while f.readinto(scratch):
                     pass
+
     return run
 
 
@@ -61,8 +69,10 @@ def _buffers(spec: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
     """Destination tensors, allocated and touched before timing (as a loaded model's are)."""
     import torch
 
-    return {name: torch.zeros(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=device)
-            for name, (dtype, shape) in spec["meta"].items()}
+    return {
+        name: torch.zeros(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=device)
+        for name, (dtype, shape) in spec["meta"].items()
+    }
 
 
 def _lazy(files_key: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
@@ -76,13 +86,16 @@ def _lazy(files_key: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
                 target = buffers.get(name)
                 if target is not None:  # as load_weights does: unwanted tensors stay unread
                     target.copy_(tensor)
+
         return run
+
     return make
 
 
 def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
     """One of hybrid-draft's registered draft loaders, driven as vLLM drives it for the
     draft: ``get_all_weights`` with the draft class's rule, every tensor copied in."""
+
     def make(spec: dict[str, Any]) -> Callable[[], None]:
         from types import SimpleNamespace
 
@@ -95,13 +108,16 @@ def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]
             fmt, device = loaders.FILTERED, "cpu"
         else:
             spec["ran"] = load_format
-            fmt, device = load_format, ("cpu" if load_format == loaders.FILTERED
-                                        else spec["device"])
+            fmt, device = (
+                load_format,
+                ("cpu" if load_format == loaders.FILTERED else spec["device"]),
+            )
         rule = drafts.mtp_draft(spec["model_dir"]).is_unused
         if rule is None:
             raise SystemExit(f"{spec['model_dir']}: the draft class has no rule")
-        loader = loaders._loader_classes()[fmt](LoadConfig(load_format=fmt, device=device,
-                                                           use_tqdm_on_load=False))
+        loader = loaders._loader_classes()[fmt](
+            LoadConfig(load_format=fmt, device=device, use_tqdm_on_load=False)
+        )
         model = SimpleNamespace(is_unused_checkpoint_weight=rule)
         model_config = SimpleNamespace(model=spec["model_dir"], revision=None)
         buffers = _buffers(spec, device)
@@ -111,7 +127,9 @@ def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]
                 buffers[name].copy_(tensor)
             if device != "cpu":
                 _cuda_sync()
+
         return run
+
     return make
 
 
@@ -135,6 +153,7 @@ def limit(spec: dict[str, Any]) -> Callable[[], None]:
                     offset += n
             finally:
                 os.close(fd)
+
     return run
 
 
@@ -153,11 +172,18 @@ def it_full(spec: dict[str, Any], names: list[str] | None = None) -> Callable[[]
         if names is not None:
             kwargs = {"tensor_filter": list(names), "tensor_name_match_mode": "exact"}
             files = spec["files_pruned"]
-        with instanttensor.safe_open(list(files), framework="pt", device=spec["device"],
-                                     process_group=None, copy=True, **kwargs) as f:
+        with instanttensor.safe_open(
+            list(files),
+            framework="pt",
+            device=spec["device"],
+            process_group=None,
+            copy=True,
+            **kwargs,
+        ) as f:
             for _name, _tensor in f.tensors():
                 pass
         _cuda_sync()
+
     return run
 
 
@@ -177,22 +203,33 @@ def lazy_to_gpu(spec: dict[str, Any]) -> Callable[[], None]:
                     if name in buffers:
                         buffers[name].copy_(f.get_tensor(name))
         _cuda_sync()
+
     return run
 
 
 STRATEGIES: dict[str, Callable[[dict[str, Any]], Callable[[], None]]] = {
-    "full_pass": full_pass, "lazy": _lazy("files_all"), "lazy_pruned": _lazy("files_pruned"),
-    "auto": _product("safetensors_filtered"), "selective": _product("instanttensor_selective"),
+    "full_pass": full_pass,
+    "lazy": _lazy("files_all"),
+    "lazy_pruned": _lazy("files_pruned"),
+    "auto": _product("safetensors_filtered"),
+    "selective": _product("instanttensor_selective"),
     "limit": limit,
-    "it_full": it_full, "it_selective": it_selective, "lazy_to_gpu": lazy_to_gpu,
+    "it_full": it_full,
+    "it_selective": it_selective,
+    "lazy_to_gpu": lazy_to_gpu,
 }
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     run = STRATEGIES[spec["strategy"]](spec)
     files = spec["files_all"]
-    out: dict[str, Any] = {"seconds": [], "bytes_read": [], "resident_bytes": [],
-                           "cold": [], "rss_before": pagecache.rss()}
+    out: dict[str, Any] = {
+        "seconds": [],
+        "bytes_read": [],
+        "resident_bytes": [],
+        "cold": [],
+        "rss_before": pagecache.rss(),
+    }
     for _ in range(spec["runs"]):
         left = pagecache.evict(files)
         before = pagecache.read_bytes()
