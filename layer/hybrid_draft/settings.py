@@ -4,12 +4,21 @@ Each value keeps where it came from (``env``, ``file`` or ``default``) so that e
 ``hybrid-draft config`` can say it. Bad input raises :class:`ConfigError`, which names the
 source (the variable, or the file and line) and the accepted values. Reading is cheap
 (one small file), so callers read afresh at each model load.
+
+A Ray worker on another host than the driver also gets the driver's effective settings in
+``HYBRID_DRAFT_DRIVER_SETTINGS`` (``adapter/ray_env.py`` puts them there when vLLM starts
+its workers). There they take the place of that host's own file and defaults, so that every
+rank of one server decides alike; a variable set in the worker's own environment still wins.
+On the driver's own host the variable is ignored: the file there is the driver's file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +37,13 @@ ENV_CONFIG = "HYBRID_DRAFT_CONFIG"
 ENV_MODE = "INSTANTTENSOR_DRAFT_LOADER"
 ENV_LEVEL = "HYBRID_DRAFT_LOG_LEVEL"
 ENV_EVENTS_FILE = "HYBRID_DRAFT_EVENTS_FILE"
+ENV_DRIVER = "HYBRID_DRAFT_DRIVER_SETTINGS"
+SOURCES = ("env", "file", "default")
+
+#: The settings that change what a load decides or reads: the fingerprint covers exactly
+#: these. The log level and the events file change only what is reported, and an events
+#: file is often a per-host path, so ranks that decide alike keep one fingerprint.
+DECISION_SETTINGS = ("mode",)
 
 Source = Literal["env", "file", "default"]
 
@@ -57,20 +73,46 @@ class Settings:
     events_file: Value
     config_path: str
     config_exists: bool
+    #: The host whose settings were carried here (``HYBRID_DRAFT_DRIVER_SETTINGS``), if any.
+    carried_from: str | None = None
+
+    def values(self) -> dict[str, Value]:
+        return {"mode": self.mode, "level": self.level, "events_file": self.events_file}
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape ``hybrid-draft config --json`` prints."""
-        return {
+        out: dict[str, Any] = {
             "config_file": {"path": self.config_path, "exists": self.config_exists},
             "settings": {
                 name: {"value": v.value, "source": v.source, "origin": v.origin}
-                for name, v in (
-                    ("mode", self.mode),
-                    ("level", self.level),
-                    ("events_file", self.events_file),
-                )
+                for name, v in self.values().items()
             },
+            "settings_fingerprint": self.fingerprint(),
         }
+        if self.carried_from is not None:
+            out["carried_from"] = self.carried_from
+        return out
+
+    def fingerprint(self) -> str:
+        """A short hash of the values in :data:`DECISION_SETTINGS`: equal on every rank and
+        host whose settings decide alike, whichever source each value came from."""
+        values = {name: getattr(self, name).value for name in DECISION_SETTINGS}
+        data = json.dumps(values, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(data.encode()).hexdigest()[:12]
+
+    def carry(self, node: str) -> str:
+        """These settings as the value of ``HYBRID_DRAFT_DRIVER_SETTINGS``, from ``node``."""
+        return json.dumps(
+            {
+                "node": node,
+                "config_file": {"path": self.config_path, "exists": self.config_exists},
+                "settings": {
+                    name: {"value": v.value, "source": v.source, "origin": v.origin}
+                    for name, v in self.values().items()
+                },
+            },
+            sort_keys=True,
+        )
 
 
 # (table, key) -> (setting name, environment variable, default, accepted values or None)
@@ -80,6 +122,18 @@ _KEYS: dict[tuple[str, str], tuple[str, str, Any, tuple[str, ...] | None]] = {
     ("log", "events_file"): ("events_file", ENV_EVENTS_FILE, None, None),
 }
 _ACCEPTED_KEYS = ", ".join(f"{t}.{k}" for t, k in _KEYS)
+
+
+def this_node() -> str:
+    """This host's name: what ``node`` says in events, and what carried settings compare."""
+    return socket.gethostname()
+
+
+def carry_error(exc: ConfigError, node: str) -> str:
+    """An invalid driver configuration, carried so that its workers fail the same way."""
+    return json.dumps(
+        {"node": node, "error": {"source": exc.source, "detail": exc.detail}}, sort_keys=True
+    )
 
 
 def config_path(environ: Mapping[str, str] | None = None) -> str:
@@ -183,12 +237,74 @@ def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]
     return values
 
 
-def load(environ: Mapping[str, str] | None = None) -> Settings:
-    """The effective settings; raises :class:`ConfigError` on any invalid source."""
+_CARRIED_SHAPE = (
+    "must be the JSON object hybrid-draft writes on a Ray driver "
+    '({"node": ..., "settings": {...}}); unset it to use this host\'s own settings'
+)
+
+
+def _carried(env: Mapping[str, str], node: str) -> tuple[dict[str, Value], str, bool, str] | None:
+    """The driver's settings carried in ``HYBRID_DRAFT_DRIVER_SETTINGS`` (values, config
+    path, whether it existed, the driver's host), or None where none apply: the variable is
+    unset, or this is the driver's own host."""
+    raw = env.get(ENV_DRIVER, "")
+    if not raw.strip():
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(ENV_DRIVER, f"not JSON ({exc}); {_CARRIED_SHAPE}") from exc
+    driver = data.get("node") if isinstance(data, dict) else None
+    if not isinstance(driver, str) or not driver:
+        raise ConfigError(ENV_DRIVER, _CARRIED_SHAPE)
+    if driver == node:
+        return None
+    error = data.get("error")
+    if error is not None:
+        source = error.get("source") if isinstance(error, dict) else None
+        detail = error.get("detail") if isinstance(error, dict) else None
+        raise ConfigError(f"{ENV_DRIVER} (the driver on {driver}: {source})", str(detail))
+    settings = data.get("settings")
+    config = data.get("config_file")
+    if not isinstance(settings, dict) or not isinstance(config, dict):
+        raise ConfigError(ENV_DRIVER, _CARRIED_SHAPE)
+    values: dict[str, Value] = {}
+    for name, _, _, accepted in _KEYS.values():
+        item = settings.get(name)
+        if not isinstance(item, dict):
+            raise ConfigError(ENV_DRIVER, f"no setting {name!r}; {_CARRIED_SHAPE}")
+        value, source, origin = item.get("value"), item.get("source"), item.get("origin")
+        where = f"{ENV_DRIVER} ({name} from {driver})"
+        if source not in SOURCES or not isinstance(origin, str):
+            raise ConfigError(where, f"source must be one of {', '.join(SOURCES)}")
+        if accepted:
+            if not isinstance(value, str):
+                raise ConfigError(where, f"must be one of {', '.join(accepted)}, got {value!r}")
+            value = _choice(value, accepted, where, name)
+        elif value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(where, f"must be a non-empty path or null, got {value!r}")
+        values[name] = Value(value, source, f"{origin} on {driver} (via {ENV_DRIVER})")
+    return values, str(config.get("path")), bool(config.get("exists")), driver
+
+
+def load(environ: Mapping[str, str] | None = None, *, node: str | None = None) -> Settings:
+    """The effective settings; raises :class:`ConfigError` on any invalid source.
+
+    Per setting: this process's environment variable, then the driver's carried settings
+    (on a host other than ``node``, this host's name by default), then the file, then the
+    default. Where the driver's settings are carried, this host's file is not read.
+    """
     env = os.environ if environ is None else environ
-    path = config_path(env)
-    parsed = _read_file(path)
-    from_file = _file_values(path, *parsed) if parsed else {}
+    carried = _carried(env, this_node() if node is None else node)
+    if carried is not None:
+        from_driver, path, exists, driver = carried
+        from_file: dict[str, Value] = from_driver
+    else:
+        driver = None
+        path = config_path(env)
+        parsed = _read_file(path)
+        exists = parsed is not None
+        from_file = _file_values(path, *parsed) if parsed else {}
     result: dict[str, Value] = {}
     for name, variable, default, accepted in _KEYS.values():
         raw = env.get(variable, "")
@@ -199,15 +315,15 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             result[name] = from_file[name]
         else:
             result[name] = Value(default, "default", "default")
-    return Settings(config_path=path, config_exists=parsed is not None, **result)
+    return Settings(config_path=path, config_exists=exists, carried_from=driver, **result)
 
 
 def load_lenient(
-    environ: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None, *, node: str | None = None
 ) -> tuple[Settings | None, ConfigError | None]:
     """Like :func:`load`, but returns the error instead of raising it."""
     try:
-        return load(environ), None
+        return load(environ, node=node), None
     except ConfigError as exc:
         return None, exc
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybrid_draft import __version__, policy, settings
-from hybrid_draft.adapter import calls, stats
+from hybrid_draft.adapter import calls, pipeline, stats, where
 from hybrid_draft.events import emit
 
 MODULE = "vllm.model_executor.model_loader"
@@ -141,6 +141,7 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
                         "action": "kept",
                         "reason": "layer_error",
                         "detail": f"{type(exc).__name__}: {exc}",
+                        **where.fields(),
                     },
                 )
                 outcome.load_config = None
@@ -167,6 +168,7 @@ def _finish(outcome: Outcome, cost: stats.LoadStats, exc: BaseException | None) 
             "load_format": outcome.load_format,
             "tensor_filter": outcome.tensor_filter,
             **cost.fields(),
+            **where.fields(),
         }
         sink = outcome.sink or settings.event_sink()
         if exc is None:
@@ -230,6 +232,7 @@ def decide(call: calls.Call, outcome: Outcome) -> None:
             call, decision.chosen_format, extra.get("pruning_rule")
         )
         outcome.load_format = decision.chosen_format
+    pipeline.guard(call, outcome, extra)
     if request.role == "draft":
         extra["tensor_filter"] = outcome.tensor_filter
     _report(current, request, decision, extra)
@@ -286,6 +289,7 @@ def _report(
     if request.target is not None:
         fields.update(target_model=request.target.model, target_revision=request.target.revision)
     fields.update(extra)
+    fields.update(where.fields(current))
     sink = (current.level.value, current.events_file.value)
     emit("hybrid_draft.decision", sink=sink, **fields)
     if decision.switched:

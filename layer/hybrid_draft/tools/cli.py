@@ -21,9 +21,13 @@ def _config(args: argparse.Namespace) -> int:
         print(json.dumps(current.as_dict(), indent=2))
         return 0
     state = "found" if current.config_exists else "absent, defaults apply"
+    if current.carried_from is not None:
+        state = f"on {current.carried_from}, carried from that Ray driver"
     print(f"config file  {current.config_path} ({state})")
     for name, value in current.as_dict()["settings"].items():
         print(f"{name:<12} {value['value']!s:<24} from {value['source']} ({value['origin']})")
+    covered = ", ".join(settings.DECISION_SETTINGS)
+    print(f"fingerprint  {current.fingerprint()} (settings_fingerprint, of: {covered})")
     return 0
 
 

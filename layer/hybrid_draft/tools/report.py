@@ -7,6 +7,7 @@ worker per rank). Each ``get_model`` call left a ``hybrid_draft.decision`` and t
 paired in order per process. A second full pass would read every byte of the checkpoint
 (``checkpoint_bytes``) and, being the same read as the target's, take about as long as the
 target's load in that process: the savings are measured against those two figures.
+Decisions that carry a ``rank`` are also compared across ranks (:func:`inconsistent`).
 Pure and stdlib-only: ``smoke`` prints the same summary.
 """
 
@@ -68,9 +69,74 @@ def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, 
     return out
 
 
+#: What ranks of one server must agree on, per model and role.
+AGREED = ("chosen_format", "action", "reason", "settings_fingerprint")
+
+
+def _plain(value: Any) -> Any:
+    """A hashable, comparable stand-in for any JSON value (wrong types included)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _rank(e: Any) -> int | None:
+    """The integer ``rank`` of a decision event, else None."""
+    if not isinstance(e, dict) or e.get("event") != "hybrid_draft.decision":
+        return None
+    rank = e.get("rank")
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+
+
+def ranks(events: Iterable[Any]) -> list[int]:
+    """Every rank that left a decision."""
+    return sorted({r for r in map(_rank, events) if r is not None})
+
+
+def inconsistent(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """Ranks that decided differently from the other ranks, per model and role.
+
+    Only ``hybrid_draft.decision`` events with an integer ``rank`` count. For each model and
+    role, the decision most ranks took (:data:`AGREED`; a tie goes to the one of the lowest
+    rank) is the reference, and every rank with another decision is listed in one entry,
+    ``{"model", "role", "ranks", "detail"}``. Empty when all ranks agree.
+    """
+    seen: dict[tuple[Any, Any], dict[tuple[Any, ...], set[int]]] = {}
+    for e in events:
+        rank = _rank(e)
+        if rank is None:
+            continue
+        key = (_plain(e.get("model")), _plain(e.get("role")))
+        choice = tuple(_plain(e.get(k)) for k in AGREED)
+        seen.setdefault(key, {}).setdefault(choice, set()).add(rank)
+    out = []
+    for (model, role), choices in seen.items():
+        if len(choices) < 2:
+            continue
+        ordered = sorted(choices.items(), key=lambda c: (-len(c[1]), min(c[1])))
+        reference = ordered[0][0]
+        odd = sorted({r for _, members in ordered[1:] for r in members})
+        parts = [
+            f"rank(s) {_ranks(sorted(members))}: "
+            + ", ".join(f"{k}={v}" for k, v in zip(AGREED, choice, strict=True))
+            for choice, members in ordered
+        ]
+        detail = "; ".join(parts)
+        if any(r in choices[reference] for r in odd):
+            detail += " (a rank decided more than once, differently)"
+        out.append({"model": model, "role": role, "ranks": odd, "detail": detail})
+    return out
+
+
 def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Per process: its loads in order (with the decision that preceded each), failures,
-    and for each draft load what it saved against a second full pass."""
+    and for each draft load what it saved against a second full pass; and the ranks whose
+    decision differs from the other ranks' (``inconsistent``)."""
+    events = list(events)
     processes: dict[Any, dict[str, Any]] = {}
     pending: dict[Any, dict[str, Any]] = {}
     for e in events:
@@ -104,6 +170,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "processes": list(processes.values()),
         "loads": sum(len(p["loads"]) for p in processes.values()),
         "failures": sum(len(p["failures"]) for p in processes.values()),
+        "ranks": ranks(events),
+        "inconsistent": inconsistent(events),
     }
 
 
@@ -119,10 +187,30 @@ def _num(v: Any, fmt: str = "{:,}") -> str:
     return "?" if v is None else fmt.format(v)
 
 
+def _consistency(summary: dict[str, Any]) -> list[str]:
+    """One line per model and role whose ranks decided differently, else one line saying
+    that the ranks agreed (when there are two or more)."""
+    lines = [
+        f"INCONSISTENT {entry.get('role')} {entry.get('model')}: rank(s) "
+        f"{_ranks(entry.get('ranks') or [])} decided differently ({entry.get('detail')})"
+        for entry in summary.get("inconsistent") or []
+    ]
+    ranks = summary.get("ranks") or []
+    if not lines and len(ranks) > 1:
+        lines.append(f"ranks {_ranks(ranks)}: every rank decided alike")
+    return lines
+
+
 def render(summary: dict[str, Any]) -> str:
     """The terminal rendering of :func:`summarize`."""
     if not summary["processes"]:
-        return "no model loads in these events (no hybrid_draft.loaded or load_failed event)"
+        # Decisions without loads (a load that never returned) still say whether ranks agreed.
+        return "\n".join(
+            [
+                "no model loads in these events (no hybrid_draft.loaded or load_failed event)",
+                *_consistency(summary),
+            ]
+        )
     lines = []
     for proc in summary["processes"]:
         lines.append(f"process {proc['pid']}")
@@ -165,6 +253,7 @@ def render(summary: dict[str, Any]) -> str:
                 f"{_num(row['seconds'], '{:.2f}')} s: {row['error_type']}: "
                 f"{row['error']}"
             )
+    lines.extend(_consistency(summary))
     lines.append(
         f"{summary['loads']} load(s), {summary['failures']} failed, in "
         f"{len(summary['processes'])} process(es)"
