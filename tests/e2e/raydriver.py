@@ -129,7 +129,7 @@ def main() -> None:
         ),
     }
     ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
-    _wait_for_nodes(2, 120)
+    _wait_for_nodes(2, 300)
     out: dict[str, Any] = {
         "driver": {"node": socket.gethostname(), "settings": settings.load().as_dict()},
         "routes": {},
