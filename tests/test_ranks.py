@@ -32,7 +32,7 @@ def _file(tmp: Path, name: str, text: str) -> str:
 # --- the fingerprint ------------------------------------------------------------------------
 
 
-def test_the_fingerprint_covers_the_mode_whatever_its_source(tmp_path: Path) -> None:
+def test_the_fingerprint_covers_what_loads_whatever_its_source(tmp_path: Path) -> None:
     toml = _file(tmp_path, "a.toml", '[draft]\nmode = "selective"\n[log]\nlevel = "debug"\n')
     from_file = settings.load({"HYBRID_DRAFT_CONFIG": toml})
     from_env = settings.load(
@@ -49,6 +49,9 @@ def test_the_fingerprint_covers_the_mode_whatever_its_source(tmp_path: Path) -> 
     every = {settings.load({"INSTANTTENSOR_DRAFT_LOADER": m}).fingerprint() for m in settings.MODES}
     assert len(every) == len(settings.MODES)
     assert from_file.as_dict()["settings_fingerprint"] == from_file.fingerprint()
+    budget = settings.load({"HYBRID_DRAFT_CONFIG": toml, "HYBRID_DRAFT_HOLD_BUDGET": "1GiB"})
+    skip = settings.load({"HYBRID_DRAFT_CONFIG": toml, "HYBRID_DRAFT_SKIP_REPLACED": "no"})
+    assert len({from_file.fingerprint(), budget.fingerprint(), skip.fingerprint()}) == 3
 
 
 # --- the driver's settings on another host --------------------------------------------------
@@ -133,7 +136,8 @@ def test_config_command_shows_the_fingerprint_and_the_driver(tmp_path: Path) -> 
     cli = [sys.executable, "-m", "hybrid_draft", "config"]
     out = subprocess.run(cli, env=env, capture_output=True, text=True, check=True).stdout
     fingerprint = settings.load(env).fingerprint()
-    assert f"fingerprint  {fingerprint} (settings_fingerprint, of: mode)" in out
+    covered = "mode, hold_budget, skip_replaced"
+    assert f"fingerprint  {fingerprint} (settings_fingerprint, of: {covered})" in out
     remote = {**env, settings.ENV_DRIVER: carried}
     data = json.loads(
         subprocess.run(

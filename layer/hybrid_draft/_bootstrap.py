@@ -17,10 +17,14 @@ from __future__ import annotations
 import sys
 
 #: Modules whose execution triggers a hook, and the hook (``module:function``) to call:
-#: the model loader's ``get_model``, and vLLM's two ways of handing the environment to Ray
-#: workers (``adapter/ray_env.py``), so that the layer's settings reach every node.
+#: the model loader's ``get_model``, the model runners, and vLLM's two ways of handing the
+#: environment to Ray workers (``adapter/ray_env.py``), so the settings reach every node.
 HOOKS = {
     "vllm.model_executor.model_loader": "hybrid_draft.adapter.patch:on_model_loader",
+    # The model runners' load_model: the scope a one-pass hold lives in.
+    "vllm.v1.worker.gpu_model_runner": "hybrid_draft.adapter.hold:on_runner",
+    "vllm.v1.worker.cpu_model_runner": "hybrid_draft.adapter.hold:on_runner",
+    "vllm.v1.worker.gpu.model_runner": "hybrid_draft.adapter.hold:on_runner",
     "vllm.ray.ray_env": "hybrid_draft.adapter.ray_env:on_ray_env",
     "vllm.v1.executor.ray_env_utils": "hybrid_draft.adapter.ray_env:on_ray_env_utils",
 }
@@ -31,7 +35,7 @@ DISABLE_ENV = "HYBRID_DRAFT_DISABLE"
 _MARK = "_hybrid_draft_finder"
 
 
-def _report(stage: str, exc: BaseException) -> None:
+def _say_skipped(stage: str, exc: BaseException) -> None:
     """Say on stderr that the layer failed, without ever raising (stdlib JSON fallback)."""
     try:
         from hybrid_draft.events import emit
@@ -77,7 +81,7 @@ def _run_hook(fullname: str, module: object) -> None:
     except BaseException as exc:  # never break the import of vLLM
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        _report(f"hook for {fullname}", exc)
+        _say_skipped(f"hook for {fullname}", exc)
 
 
 class PostImportFinder:
@@ -134,7 +138,7 @@ def install() -> None:
     except BaseException as exc:  # a .pth line must never break start-up
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        _report("install", exc)
+        _say_skipped("install", exc)
 
 
 install()

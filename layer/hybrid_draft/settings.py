@@ -37,13 +37,35 @@ ENV_CONFIG = "HYBRID_DRAFT_CONFIG"
 ENV_MODE = "INSTANTTENSOR_DRAFT_LOADER"
 ENV_LEVEL = "HYBRID_DRAFT_LOG_LEVEL"
 ENV_EVENTS_FILE = "HYBRID_DRAFT_EVENTS_FILE"
+ENV_HOLD_BUDGET = "HYBRID_DRAFT_HOLD_BUDGET"
+ENV_SKIP_REPLACED = "HYBRID_DRAFT_SKIP_REPLACED"
 ENV_DRIVER = "HYBRID_DRAFT_DRIVER_SETTINGS"
 SOURCES = ("env", "file", "default")
 
 #: The settings that change what a load decides or reads: the fingerprint covers exactly
-#: these. The log level and the events file change only what is reported, and an events
-#: file is often a per-host path, so ranks that decide alike keep one fingerprint.
-DECISION_SETTINGS = ("mode",)
+#: these. The log level and the events file change only what is reported (and an events
+#: file is often a per-host path), so ranks that load alike keep one fingerprint.
+DECISION_SETTINGS = ("mode", "hold_budget", "skip_replaced")
+
+#: What the target's InstantTensor pass may keep in memory for the draft (README, "One pass").
+DEFAULT_HOLD_BUDGET = 8 << 30
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 1000,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 1000**2,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 1000**3,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 1000**4,
+}
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 Source = Literal["env", "file", "default"]
 
@@ -71,13 +93,16 @@ class Settings:
     mode: Value
     level: Value
     events_file: Value
+    hold_budget: Value
+    skip_replaced: Value
     config_path: str
     config_exists: bool
     #: The host whose settings were carried here (``HYBRID_DRAFT_DRIVER_SETTINGS``), if any.
     carried_from: str | None = None
 
     def values(self) -> dict[str, Value]:
-        return {"mode": self.mode, "level": self.level, "events_file": self.events_file}
+        """Every setting by name, in the order of the config file."""
+        return {key.name: getattr(self, key.name) for key in KEYS}
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape ``hybrid-draft config --json`` prints."""
@@ -95,7 +120,7 @@ class Settings:
 
     def fingerprint(self) -> str:
         """A short hash of the values in :data:`DECISION_SETTINGS`: equal on every rank and
-        host whose settings decide alike, whichever source each value came from."""
+        host whose settings load alike, whichever source each value came from."""
         values = {name: getattr(self, name).value for name in DECISION_SETTINGS}
         data = json.dumps(values, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(data.encode()).hexdigest()[:12]
@@ -115,13 +140,79 @@ class Settings:
         )
 
 
-# (table, key) -> (setting name, environment variable, default, accepted values or None)
-_KEYS: dict[tuple[str, str], tuple[str, str, Any, tuple[str, ...] | None]] = {
-    ("draft", "mode"): ("mode", ENV_MODE, "auto", MODES),
-    ("log", "level"): ("level", ENV_LEVEL, "info", LEVELS),
-    ("log", "events_file"): ("events_file", ENV_EVENTS_FILE, None, None),
-}
-_ACCEPTED_KEYS = ", ".join(f"{t}.{k}" for t, k in _KEYS)
+@dataclass(frozen=True)
+class Key:
+    """One setting: its TOML key, its variable, its default and what it accepts."""
+
+    name: str
+    table: str
+    key: str
+    env: str
+    default: Any
+    kind: Literal["choice", "path", "size", "bool"]
+    choices: tuple[str, ...] = ()
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.table}.{self.key}"
+
+    def accepted(self) -> str:
+        return {
+            "choice": f"accepted values: {', '.join(self.choices)}",
+            "path": "accepted: a non-empty path",
+            "size": "accepted: a byte count (an integer, or a number with a unit such as "
+            "512MiB, 8GiB, 2GB; 0 turns it off)",
+            "bool": f"accepted values: {', '.join(_TRUE + _FALSE)}",
+        }[self.kind]
+
+    def parse(self, raw: Any, source: str) -> Any:
+        """The value of ``raw`` (a variable's text, or a TOML value) or a ConfigError."""
+        what = f"{self.dotted!r}" if source != self.env else self.name
+
+        def bad() -> ConfigError:
+            shown = raw if isinstance(raw, str) else f"{type(raw).__name__} {raw!r}"
+            return ConfigError(source, f"{shown!r} is not a valid {what}; {self.accepted()}")
+
+        if self.kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
+                return raw.strip().lower() in _TRUE
+            raise bad()
+        if self.kind == "size":
+            if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+                return raw
+            m = (
+                re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", raw)
+                if isinstance(raw, str)
+                else None
+            )
+            if m is None or m.group(2).lower() not in _UNITS:
+                raise bad()
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if not isinstance(raw, str):
+            kind = (
+                f"a string naming one of {', '.join(self.choices)}" if self.choices else ("a path")
+            )
+            raise ConfigError(source, f"{what} must be {kind}, got {type(raw).__name__} {raw!r}")
+        if self.kind == "choice":
+            return _choice(raw, self.choices, source, what)
+        if raw == "":
+            raise ConfigError(
+                source, f"{what} must be a non-empty path (leave the key out for no events file)"
+            )
+        return raw
+
+
+KEYS = (
+    Key("mode", "draft", "mode", ENV_MODE, "auto", "choice", MODES),
+    Key("hold_budget", "draft", "hold_budget", ENV_HOLD_BUDGET, DEFAULT_HOLD_BUDGET, "size"),
+    Key("skip_replaced", "draft", "skip_replaced", ENV_SKIP_REPLACED, True, "bool"),
+    Key("level", "log", "level", ENV_LEVEL, "info", "choice", LEVELS),
+    Key("events_file", "log", "events_file", ENV_EVENTS_FILE, None, "path"),
+)
+_KEYS = {(k.table, k.key): k for k in KEYS}
+_ACCEPTED_KEYS = ", ".join(k.dotted for k in KEYS)
 
 
 def this_node() -> str:
@@ -217,23 +308,8 @@ def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]
                 raise ConfigError(
                     where, f"unknown key '{table}.{key}'; accepted keys: {_ACCEPTED_KEYS}"
                 )
-            name, _, _, accepted = _KEYS[(table, key)]
-            if not isinstance(raw, str):
-                kind = "a string naming one of " + ", ".join(accepted) if accepted else "a path"
-                raise ConfigError(
-                    where, f"'{table}.{key}' must be {kind}, got {type(raw).__name__} {raw!r}"
-                )
-            if accepted:
-                value: Any = _choice(raw, accepted, where, f"'{table}.{key}'")
-            elif raw == "":
-                raise ConfigError(
-                    where,
-                    f"'{table}.{key}' must be a non-empty path "
-                    "(leave the key out for no events file)",
-                )
-            else:
-                value = raw
-            values[name] = Value(value, "file", where)
+            spec = _KEYS[(table, key)]
+            values[spec.name] = Value(spec.parse(raw, where), "file", where)
     return values
 
 
@@ -264,26 +340,22 @@ def _carried(env: Mapping[str, str], node: str) -> tuple[dict[str, Value], str, 
         source = error.get("source") if isinstance(error, dict) else None
         detail = error.get("detail") if isinstance(error, dict) else None
         raise ConfigError(f"{ENV_DRIVER} (the driver on {driver}: {source})", str(detail))
-    settings = data.get("settings")
+    carried = data.get("settings")
     config = data.get("config_file")
-    if not isinstance(settings, dict) or not isinstance(config, dict):
+    if not isinstance(carried, dict) or not isinstance(config, dict):
         raise ConfigError(ENV_DRIVER, _CARRIED_SHAPE)
     values: dict[str, Value] = {}
-    for name, _, _, accepted in _KEYS.values():
-        item = settings.get(name)
+    for spec in KEYS:
+        item = carried.get(spec.name)
         if not isinstance(item, dict):
-            raise ConfigError(ENV_DRIVER, f"no setting {name!r}; {_CARRIED_SHAPE}")
+            raise ConfigError(ENV_DRIVER, f"no setting {spec.name!r}; {_CARRIED_SHAPE}")
         value, source, origin = item.get("value"), item.get("source"), item.get("origin")
-        where = f"{ENV_DRIVER} ({name} from {driver})"
+        where = f"{ENV_DRIVER} ({spec.name} from {driver})"
         if source not in SOURCES or not isinstance(origin, str):
             raise ConfigError(where, f"source must be one of {', '.join(SOURCES)}")
-        if accepted:
-            if not isinstance(value, str):
-                raise ConfigError(where, f"must be one of {', '.join(accepted)}, got {value!r}")
-            value = _choice(value, accepted, where, name)
-        elif value is not None and (not isinstance(value, str) or not value):
-            raise ConfigError(where, f"must be a non-empty path or null, got {value!r}")
-        values[name] = Value(value, source, f"{origin} on {driver} (via {ENV_DRIVER})")
+        if value is not None or spec.default is not None:
+            value = spec.parse(value, where)
+        values[spec.name] = Value(value, source, f"{origin} on {driver} (via {ENV_DRIVER})")
     return values, str(config.get("path")), bool(config.get("exists")), driver
 
 
@@ -296,25 +368,24 @@ def load(environ: Mapping[str, str] | None = None, *, node: str | None = None) -
     """
     env = os.environ if environ is None else environ
     carried = _carried(env, this_node() if node is None else node)
+    driver: str | None = None
     if carried is not None:
-        from_driver, path, exists, driver = carried
-        from_file: dict[str, Value] = from_driver
+        from_file, path, exists, driver = carried
     else:
-        driver = None
         path = config_path(env)
         parsed = _read_file(path)
         exists = parsed is not None
         from_file = _file_values(path, *parsed) if parsed else {}
     result: dict[str, Value] = {}
-    for name, variable, default, accepted in _KEYS.values():
-        raw = env.get(variable, "")
+    for spec in KEYS:
+        raw = env.get(spec.env, "")
         if raw.strip():
-            value = _choice(raw, accepted, variable, name) if accepted else raw
-            result[name] = Value(value, "env", variable)
-        elif name in from_file:
-            result[name] = from_file[name]
+            value = raw if spec.kind == "path" else spec.parse(raw, spec.env)
+            result[spec.name] = Value(value, "env", spec.env)
+        elif spec.name in from_file:
+            result[spec.name] = from_file[spec.name]
         else:
-            result[name] = Value(default, "default", "default")
+            result[spec.name] = Value(spec.default, "default", "default")
     return Settings(config_path=path, config_exists=exists, carried_from=driver, **result)
 
 
