@@ -2,20 +2,23 @@
 installed, ``ray`` on ``PYTHONPATH``) against a running two-node Ray cluster.
 
 It computes the workers' environment with vLLM's own env-copy functions, as vLLM's Ray code
-does, along three routes, then for each starts one actor per node (resources ``node_a`` and
-``node_b``): the two ranks of one tensor-parallel world (gloo), each loading the target and
-its MTP draft with vLLM's ``get_model`` and ``EagleProposer``, as a worker does.
+does, and hands it to one actor per node (resources ``node_a`` and ``node_b``): the two
+ranks of one tensor-parallel world (gloo), each loading the target and its MTP draft with
+vLLM's ``get_model`` and ``EagleProposer``, as a worker does. Three routes, in this order:
 
 - ``vllm_alone``: vLLM's ``get_env_vars_to_copy`` as vLLM ships it (the layer's wrapper's
-  ``__wrapped__``), into the actors' ``runtime_env`` as vLLM 0.33's Ray data-parallel
-  engine actors get it (``CoreEngineActorManager``);
-- ``runtime_env``: the same through the installed layer's wrapper;
-- ``setdefault``: ``get_driver_env_vars`` through the layer's wrapper, applied in the actor
-  with ``os.environ.setdefault`` as vLLM 0.33's ``RayWorkerProc.initialize_worker`` does
-  (that class itself cannot run here: vLLM's CPU platform does not support Ray).
+  ``__wrapped__``), as the actors' Ray ``runtime_env``, the way vLLM 0.33's Ray
+  data-parallel engine actors get it (``CoreEngineActorManager``);
+- ``setdefault``: the same actors then apply ``get_driver_env_vars`` (through the layer's
+  wrapper) with ``os.environ.setdefault``, as vLLM 0.33's ``RayWorkerProc.initialize_worker``
+  does on top of the node's own environment (that class itself cannot run here: vLLM's CPU
+  platform does not support Ray), and load again;
+- ``runtime_env``: new actors, with the layer's ``get_env_vars_to_copy`` as their
+  ``runtime_env``.
 
-Prints one JSON object: the driver's settings, and per route the names copied and what each
-rank reported (host, pid, rank, settings).
+Prints one JSON object: the driver's settings, and per route the variables copied, what
+each rank reported (host, pid, rank, settings) and the byte range of the events file
+(``HYBRID_DRAFT_EVENTS_FILE``) its loads wrote.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Rank:
         from hybrid_draft import settings
         from hybrid_draft.adapter import where
 
+        # A second load in this process joins the world it is already in.
         config = EngineArgs(
             model=checkpoint,
             load_format="instanttensor",
@@ -122,11 +126,11 @@ def main() -> None:
         sys.exit("raydriver: the layer did not wrap vllm.ray.ray_env.get_env_vars_to_copy")
     routes = {
         "vllm_alone": ("runtime_env", copied(stock)),
-        "runtime_env": ("runtime_env", copied(ray_env.get_env_vars_to_copy)),
         "setdefault": (
             "setdefault",
             ray_env_utils.get_driver_env_vars(worker_specific_vars=WORKER_SPECIFIC_ENV_VARS),
         ),
+        "runtime_env": ("runtime_env", copied(ray_env.get_env_vars_to_copy)),
     }
     ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
     _wait_for_nodes(2, 300)
@@ -134,24 +138,38 @@ def main() -> None:
         "driver": {"node": socket.gethostname(), "settings": settings.load().as_dict()},
         "routes": {},
     }
+    events_file = os.environ["HYBRID_DRAFT_EVENTS_FILE"]
+
+    def size() -> int:
+        return os.path.getsize(events_file) if os.path.exists(events_file) else 0
+
+    actors: list[Any] = []
+    init = ""
     for name, (how, env) in routes.items():
-        options = {"runtime_env": RuntimeEnv(env_vars=env)} if how == "runtime_env" else {}
+        if how == "runtime_env":  # new actors, their environment given by Ray
+            for actor in actors:
+                ray.kill(actor)
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            actors = [
+                Rank.options(
+                    resources={f"node_{node}": 1}, runtime_env=RuntimeEnv(env_vars=env)
+                ).remote()
+                for node in ("a", "b")
+            ]
         driver_env = env if how == "setdefault" else None
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        actors = [
-            Rank.options(resources={f"node_{node}": 1}, **options).remote() for node in ("a", "b")
-        ]
+        start = size()
         ranks = ray.get(
             [a.load.remote(r, init, args.checkpoint, driver_env) for r, a in enumerate(actors)],
             timeout=args.timeout,
         )
-        for actor in actors:
-            ray.kill(actor)
         out["routes"][name] = {
             "how": how,
             "copied": {k: v for k, v in sorted(env.items()) if k.startswith(SHOWN)},
             "ranks": ranks,
+            "events": [start, size()],
         }
+    for actor in actors:
+        ray.kill(actor)
     print(json.dumps(out))
 
 

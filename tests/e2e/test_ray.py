@@ -7,8 +7,9 @@ has its own host name and its own file at the very path of the driver's config f
 another machine's ``/etc/hybrid-draft.toml`` would be). The driver (raydriver.py) computes
 the workers' environment with vLLM's own env-copy functions; one actor per node then forms
 a two-rank tensor-parallel world and loads the target and its MTP draft through vLLM's
-``get_model``, writing the layer's events. The driver's file says ``safetensors``, node B's
-says ``instanttensor``.
+``get_model``, writing the layer's events: first with vLLM's copy alone, then (the same
+actors) with the layer's through ``setdefault``, then (new actors) through a ``runtime_env``.
+The driver's file says ``safetensors``, node B's says ``instanttensor``.
 
 What stands in: vLLM's CPU build refuses its Ray executors ("current platform cpu does not
 support ray"), so the actors are the test's, not vLLM's ``RayWorkerProc``; the environment
@@ -221,8 +222,10 @@ def cluster(
                 what="the Ray driver (tests/e2e/raydriver.py)",
             )
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        result["events"] = [json.loads(x) for x in events.read_text().splitlines()]
-        result["events_file"] = events
+        written = events.read_bytes()
+        for route in result["routes"].values():  # each route's loads, by the bytes they wrote
+            start, end = route["events"]
+            route["events"] = [json.loads(x) for x in written[start:end].decode().splitlines()]
         yield result
     finally:
         for proc in reversed(procs):
@@ -239,20 +242,19 @@ def _wait_for_file(folder: Path, name: str, seconds: float, proc: subprocess.Pop
 
 
 def _decisions(result: dict[str, Any], route: str) -> dict[int, dict[str, dict[str, Any]]]:
-    """rank -> role -> the decision event of that route's actors."""
+    """rank -> role -> the decision event of that route's loads."""
     pids = {r["pid"]: r["rank"] for r in result["routes"][route]["ranks"]}
     out: dict[int, dict[str, dict[str, Any]]] = {}
-    for e in result["events"]:
-        if e["event"] == "hybrid_draft.decision" and e["pid"] in pids:
+    for e in result["routes"][route]["events"]:
+        if e["event"] == "hybrid_draft.decision":
             assert e["rank"] == pids[e["pid"]]
             out.setdefault(e["rank"], {})[e["role"]] = e
     return out
 
 
 def _report(cpu_env: CpuEnv, result: dict[str, Any], route: str, tmp: Path) -> dict[str, Any]:
-    pids = {r["pid"] for r in result["routes"][route]["ranks"]}
     path = tmp / f"{route}.jsonl"
-    path.write_text("".join(json.dumps(e) + "\n" for e in result["events"] if e["pid"] in pids))
+    path.write_text("".join(json.dumps(e) + "\n" for e in result["routes"][route]["events"]))
     text = cpu_env.cli("report", path).stdout
     print(f"\n{route}: hybrid-draft report\n{text}")
     return {**json.loads(cpu_env.cli("report", path, "--json").stdout), "text": text}
@@ -261,8 +263,12 @@ def _report(cpu_env: CpuEnv, result: dict[str, Any], route: str, tmp: Path) -> d
 def test_the_ranks_run_on_two_nodes(cluster: dict[str, Any]) -> None:
     driver = cluster["driver"]["node"]
     assert driver != NODE_B
-    for route in cluster["routes"].values():
+    routes = cluster["routes"]
+    for route in routes.values():
         assert [(r["rank"], r["node"]) for r in route["ranks"]] == [(0, driver), (1, NODE_B)]
+        assert len(route["events"]) >= 8  # per rank: decision and load, target and draft
+    pids = {name: [r["pid"] for r in route["ranks"]] for name, route in routes.items()}
+    assert pids["setdefault"] == pids["vllm_alone"] != pids["runtime_env"]
 
 
 def test_with_vllm_alone_node_b_decides_from_its_own_file_and_report_flags_it(
