@@ -158,6 +158,10 @@ class DraftRead:
     hold: hold.Hold | None = None
     skip_replaced: bool = True
     sink: tuple[str, str | None] | None = None
+    #: The draft's pipeline-parallel size and speculative method (what vLLM's
+    #: replacement depends on), from the configs the load was decided with.
+    pipeline_parallel_size: int = 1
+    method: str | None = "mtp"
     #: Filled by the load: ``planning.DraftPlan.sources`` keys, as read.
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
     #: The replaced tensors skipped, by name -> kind (after the built model was checked).
@@ -274,12 +278,9 @@ def _loader_classes() -> dict[str, type]:
                     for key in ("storage", "stream", "replaced_by_target")
                 }
             if read is not None and read.skip_replaced and read.plan.replaced:
-                vllm_config = get_current_vllm_config()
+                # The built model's own attributes are what vLLM's proposer looks at.
                 kinds = read.plan.shared & sharing.expected(
-                    model,
-                    vllm_config.parallel_config.pipeline_parallel_size,
-                    getattr(vllm_config.speculative_config, "method", None),
-                    True,
+                    model, read.pipeline_parallel_size, read.method, True
                 )
                 replaceable = sharing.replaceable(model, kinds)
                 present = set(replaceable.values())

@@ -509,7 +509,14 @@ def _decide_draft(
     held = scope.hold_for(call.model_config) if scope is not None else None
     skip = bool(current.skip_replaced.value)
     load.tensor_filter = True
-    load.draft = loaders.DraftRead(plan=plan, hold=held, skip_replaced=skip, sink=load.sink)
+    load.draft = loaders.DraftRead(
+        plan=plan,
+        hold=held,
+        skip_replaced=skip,
+        sink=load.sink,
+        pipeline_parallel_size=call.vllm_config.parallel_config.pipeline_parallel_size,
+        method=request.method,
+    )
     planned = plan.sources(set(held.tensors) if held is not None else ())
     if not skip:
         planned["storage"] = {
