@@ -230,7 +230,6 @@ class DraftRead:
 
     plan: planning.DraftPlan
     hold: hold.Hold | None = None
-    skip_replaced: bool = True
     sink: tuple[str, str | None] | None = None
     #: The draft's pipeline-parallel size and speculative method (what vLLM's
     #: replacement depends on), from the configs the load was decided with.
@@ -351,7 +350,7 @@ def _loader_classes() -> dict[str, type]:
                     key: {"tensors": 0, "bytes": 0}
                     for key in ("storage", "stream", "replaced_by_target")
                 }
-            if read is not None and read.skip_replaced and read.plan.replaced:
+            if read is not None and read.plan.replaced:
                 # The built model's own attributes are what vLLM's proposer looks at.
                 kinds = read.plan.shared & sharing.expected(
                     model, read.pipeline_parallel_size, read.method, True
@@ -401,7 +400,9 @@ def _loader_classes() -> dict[str, type]:
             missing; else read the skipped tensors now (the name rule missed this class)."""
             params = dict(model.named_parameters())
             pending = {n for n in replaceable if loaded is None or n not in loaded}
-            if loaded is None or not self._complete(model, model_config, loaded | pending):
+            # A load_weights that reports nothing (HY-V3's) leaves nothing to check here:
+            # the name rule (proven per class) and the check after vLLM's replacement stand.
+            if loaded is not None and not self._complete(model, model_config, loaded | pending):
                 names = list(read.skipped)
                 with sharing.partial_load():
                     more = load(self._count(read, self.read_names(read.plan, names)))
@@ -418,7 +419,7 @@ def _loader_classes() -> dict[str, type]:
                 )
                 read.sources["replaced_by_target"] = {"tensors": 0, "bytes": 0}
                 read.skipped = {}
-                return None if loaded is None else loaded | set(more or ())
+                return loaded | set(more or ())
             by_kind: dict[str, list[str]] = {}
             for name, kind in read.skipped.items():
                 by_kind.setdefault(kind, []).append(name)
@@ -437,7 +438,7 @@ def _loader_classes() -> dict[str, type]:
                 scope.skipped.append(skipped)
             else:
                 sharing.on_first_forward(skipped)
-            return loaded | pending
+            return None if loaded is None else loaded | pending
 
     class FilteredSafetensorsLoader(PlannedDraftLoader):
         """Lazy safetensors that never touch a tensor the draft's plan leaves out."""
