@@ -1,9 +1,12 @@
 """Settings: the environment, then the TOML file, then the defaults (CONTRACT.md's table).
 
 Each value keeps where it came from (``env``, ``file`` or ``default``) so that events and
-``hybrid-draft config`` can say it. Bad input raises :class:`ConfigError`, which names the
-source (the variable, or the file and line) and the accepted values. Reading is cheap
-(one small file), so callers read afresh at each model load.
+``hybrid-draft config`` can say it. Every failure of a source raises :class:`ConfigError`,
+which names the source (the variable, or the file and line) and the accepted values: a file
+that is not a regular file (a FIFO, ``/dev/zero``, a directory), one over
+:data:`CONFIG_LIMIT`, one nested too deeply to parse, as much as an unknown key. The hook
+catches exactly that class, so no bad source can switch the layer off in silence. Reading
+is cheap (one small file, never a blocking open), so callers read afresh at each load.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hybrid_draft import files
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - the image and the tests run 3.11+
@@ -24,6 +29,8 @@ MODES = ("auto", "safetensors", "instanttensor", "selective")
 LEVELS = ("debug", "info", "warning", "error")
 
 DEFAULT_CONFIG_PATH = "/etc/hybrid-draft.toml"
+#: The largest config file read (bytes); the documented file is well under 2 kB.
+CONFIG_LIMIT = 1 << 20
 ENV_CONFIG = "HYBRID_DRAFT_CONFIG"
 ENV_MODE = "INSTANTTENSOR_DRAFT_LOADER"
 ENV_LEVEL = "HYBRID_DRAFT_LOG_LEVEL"
@@ -87,21 +94,28 @@ def config_path(environ: Mapping[str, str] | None = None) -> str:
     return env.get(ENV_CONFIG) or DEFAULT_CONFIG_PATH
 
 
+_HEADER = re.compile(r"\s*\[([^\[\]]*)\]\s*(?:#.*)?")
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_.\-\"' ]+")
+
+
 def _key_line(text: str, table: str, key: str | None) -> int | None:
-    """The 1-based line of ``[table]`` / ``key =`` in a TOML text (None if not found)."""
+    """The 1-based line of ``[table]`` / ``key =`` in a TOML text (None if not found).
+
+    Linear in the text: no pattern here can backtrack over a long line.
+    """
     current = ""
-    header = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\s*(#.*)?$")
     for number, line in enumerate(text.splitlines(), 1):
-        m = header.match(line)
-        if m:
-            current = m.group(1).replace('"', "").replace("'", "")
+        m = _HEADER.fullmatch(line)
+        if m and _TABLE_NAME.fullmatch(m.group(1).strip()):
+            current = m.group(1).strip().replace('"', "").replace("'", "")
+            current = ".".join(part.strip() for part in current.split("."))
             if key is None and current == table:
                 return number
             continue
         stripped = line.strip()
         if key is None or not stripped or stripped.startswith("#"):
             continue
-        name = re.split(r"\s*=", stripped, maxsplit=1)[0].strip().strip("\"'")
+        name = stripped.partition("=")[0].strip().strip("\"'")
         if (current == table and name == key) or (current == "" and name == f"{table}.{key}"):
             return number
     return None
@@ -109,36 +123,49 @@ def _key_line(text: str, table: str, key: str | None) -> int | None:
 
 def _where(path: str, text: str, table: str, key: str | None = None) -> str:
     line = _key_line(text, table, key)
-    return f"{path}:{line}" if line else path
+    shown = files.show_path(path)
+    return f"{shown}:{line}" if line else shown
 
 
 def _choice(raw: str, accepted: tuple[str, ...], source: str, what: str) -> str:
     value = raw.strip().lower()
     if value not in accepted:
         raise ConfigError(
-            source, f"{raw!r} is not a valid {what}; accepted values: {', '.join(accepted)}"
+            source,
+            f"{files.show(raw)} is not a valid {what}; accepted values: {', '.join(accepted)}",
         )
     return value
 
 
 def _read_file(path: str) -> tuple[dict[str, Any], str] | None:
-    """The parsed file and its text, or None when there is no file at ``path``."""
+    """The parsed file and its text, or None when there is no file at ``path``.
+
+    Only a regular file of at most :data:`CONFIG_LIMIT` bytes is read, and never with an
+    open that can block; every way the file can fail is a :class:`ConfigError`.
+    """
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        text = files.read_text(path, CONFIG_LIMIT)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise ConfigError(path, f"cannot read the config file: {exc.strerror or exc}") from exc
+    except files.FileProblem as exc:
+        raise ConfigError(
+            files.show_path(path), f"cannot read the config file: {exc.detail}"
+        ) from None
     try:
-        text = raw.decode("utf-8")
         return tomllib.loads(text), text
-    except UnicodeDecodeError as exc:
-        raise ConfigError(path, f"not UTF-8 text: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         m = re.search(r"line (\d+)", str(exc))
-        where = f"{path}:{m.group(1)}" if m else path
-        raise ConfigError(where, f"invalid TOML: {exc}") from exc
+        shown = files.show_path(path)
+        where = f"{shown}:{m.group(1)}" if m else shown
+        raise ConfigError(where, f"invalid TOML: {files.one_line(str(exc))}") from None
+    except RecursionError:
+        raise ConfigError(
+            files.show_path(path), "invalid TOML: nested too deeply to parse"
+        ) from None
+    except MemoryError:
+        raise ConfigError(
+            files.show_path(path), "invalid TOML: too large to parse in memory"
+        ) from None
 
 
 def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]:
@@ -151,23 +178,27 @@ def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]
                 if isinstance(content, dict)
                 else _where(path, text, "", table)
             )
-            raise ConfigError(where, f"unknown key {table!r}; accepted keys: {_ACCEPTED_KEYS}")
+            raise ConfigError(
+                where, f"unknown key {files.show(table)}; accepted keys: {_ACCEPTED_KEYS}"
+            )
         if not isinstance(content, dict):
             raise ConfigError(
                 _where(path, text, "", table),
-                f"{table!r} must be a table ([{table}]); accepted keys: {_ACCEPTED_KEYS}",
+                f"{files.show(table)} must be a table ([{table}]); accepted keys: {_ACCEPTED_KEYS}",
             )
         for key, raw in content.items():
             where = _where(path, text, table, key)
             if (table, key) not in _KEYS:
                 raise ConfigError(
-                    where, f"unknown key '{table}.{key}'; accepted keys: {_ACCEPTED_KEYS}"
+                    where,
+                    f"unknown key {files.show(f'{table}.{key}')}; accepted keys: {_ACCEPTED_KEYS}",
                 )
             name, _, _, accepted = _KEYS[(table, key)]
             if not isinstance(raw, str):
                 kind = "a string naming one of " + ", ".join(accepted) if accepted else "a path"
                 raise ConfigError(
-                    where, f"'{table}.{key}' must be {kind}, got {type(raw).__name__} {raw!r}"
+                    where,
+                    f"'{table}.{key}' must be {kind}, got {type(raw).__name__} {files.show(raw)}",
                 )
             if accepted:
                 value: Any = _choice(raw, accepted, where, f"'{table}.{key}'")
@@ -184,11 +215,20 @@ def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]
 
 
 def load(environ: Mapping[str, str] | None = None) -> Settings:
-    """The effective settings; raises :class:`ConfigError` on any invalid source."""
+    """The effective settings; raises :class:`ConfigError`, and nothing else, for any invalid
+    source (the one class the hook catches to stop a load)."""
     env = os.environ if environ is None else environ
     path = config_path(env)
-    parsed = _read_file(path)
-    from_file = _file_values(path, *parsed) if parsed else {}
+    try:
+        parsed = _read_file(path)
+        from_file = _file_values(path, *parsed) if parsed else {}
+    except ConfigError:
+        raise
+    except Exception as exc:  # a failure no check above foresaw is still the file's
+        raise ConfigError(
+            files.show_path(path),
+            f"cannot use the config file: {type(exc).__name__}: {files.one_line(str(exc))}",
+        ) from None
     result: dict[str, Value] = {}
     for name, variable, default, accepted in _KEYS.values():
         raw = env.get(variable, "")

@@ -24,19 +24,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan_checkpoint(args: argparse.Namespace) -> int:
-    from hybrid_draft import checkpoint, planning
+    from hybrid_draft import checkpoint, files, planning
 
-    try:
+    try:  # every shard checked as safetensors checks it, inside the model directory
         shards = checkpoint.read_checkpoint(args.model_dir)
     except (OSError, checkpoint.CheckpointError) as exc:
-        print(f"hybrid-draft plan: {exc}", file=sys.stderr)
+        print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
+        return 2
+    try:  # a config.json that cannot be read says so before vLLM is imported
+        checkpoint.read_json(args.model_dir, checkpoint.CONFIG_NAME, checkpoint.CONFIG_LIMIT)
+    except FileNotFoundError:
+        pass  # said below, as the draft's config
+    except checkpoint.CheckpointError as exc:
+        print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
         return 2
     from hybrid_draft.adapter import checks, drafts
 
     try:
         draft = drafts.mtp_draft(args.model_dir, trust_remote_code=args.trust_remote_code)
     except drafts.PlanError as exc:
-        print(f"hybrid-draft plan: {exc}", file=sys.stderr)
+        print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
         return 2
     try:  # a rule reads the config: one that lacks what it needs fails here
         is_unused = planning.evaluated(shards, draft.is_unused)
@@ -48,7 +55,7 @@ def _plan_checkpoint(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(
             f"hybrid-draft plan: {args.model_dir}: the {draft.draft_class} weight rule "
-            f"fails on this config: {type(exc).__name__}: {exc}",
+            f"fails on this config: {type(exc).__name__}: {files.one_line(str(exc))}",
             file=sys.stderr,
         )
         return 2
@@ -75,6 +82,8 @@ def _gb(n: int | None) -> str:
 
 def table(result: dict[str, Any]) -> str:
     """The human rendering of :func:`report`."""
+    from hybrid_draft.tools import tables
+
     ck = result["checkpoint"]
     auto = result["auto"]
     filtered = ""
@@ -88,11 +97,7 @@ def table(result: dict[str, Any]) -> str:
     ]
     for i, w in enumerate(result.get("warnings", [])):
         lines.append(f"{'warning' if i == 0 else '':<13}{w['code']}: {w['detail']}")
-    lines += [
-        "",
-        f"{'mode':<22}{'shards':>8}{'tensors':>10}{'bytes read':>16}"
-        f"{'of checkpoint':>15}{'touched':>10}",
-    ]
+    rows = []
     for name, r in result["modes"].items():
         tensors = "?" if r["tensors"] is None else f"{r['tensors']:,}"
         share = (
@@ -100,13 +105,28 @@ def table(result: dict[str, Any]) -> str:
             if r["bytes"] is None
             else (f"{r['bytes'] / ck['bytes']:.2%}" if ck["bytes"] else f"{0:.2%}")
         )
-        line = (
-            f"{name:<22}{len(r['shards']):>8}{tensors:>10}{_gb(r['bytes']):>16}"
-            f"{share:>15}{r['touched_tensors']:>10,}"
+        note = f"fallback: {r['fallback']}" if r.get("fallback") else ""
+        rows.append(
+            [
+                name,
+                len(r["shards"]),
+                tensors,
+                _gb(r["bytes"]),
+                share,
+                f"{r['touched_tensors']:,}",
+                note,
+            ]
         )
-        if r.get("fallback"):
-            line += f"  fallback: {r['fallback']}"
-        lines.append(line)
+    columns = [
+        ("mode", "left"),
+        ("shards", "right"),
+        ("tensors", "right"),
+        ("bytes read", "right"),
+        ("of checkpoint", "right"),
+        ("touched", "right"),
+        ("", "left"),
+    ]
+    lines += ["", tables.render(columns, rows)]
     for name, r in result["modes"].items():
         if r.get("fallback"):
             lines.append(f"{name} falls back to the auto row here: {r['detail']}")

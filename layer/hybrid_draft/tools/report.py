@@ -7,14 +7,33 @@ worker per rank). Each ``get_model`` call left a ``hybrid_draft.decision`` and t
 paired in order per process. A second full pass would read every byte of the checkpoint
 (``checkpoint_bytes``) and, being the same read as the target's, take about as long as the
 target's load in that process: the savings are measured against those two figures.
-Pure and stdlib-only: ``smoke`` prints the same summary.
+``smoke`` prints the same summary. A field of the wrong type (a list ``pid``, a string
+``seconds``, a byte count that is not a number) reads as unknown (``?``, or null in
+``--json``) rather than failing; the file is read as a stream, a regular file of at most
+:data:`EVENTS_LIMIT` bytes whose lines over :data:`LINE_LIMIT` are skipped.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+from hybrid_draft import files
+
+#: The largest events file read (a server writes a few dozen lines per start).
+EVENTS_LIMIT = 256 << 20
+#: The longest line read as an event (the layer's own lines are under 10 kB).
+LINE_LIMIT = 1 << 20
+NUMBERS = (
+    "seconds",
+    "bytes_read",
+    "tensors",
+    "shards",
+    "checkpoint_shards",
+    "checkpoint_bytes",
+)
 
 LOAD_KEYS = (
     "role",
@@ -31,18 +50,65 @@ LOAD_KEYS = (
 
 
 def read(lines: Iterable[str]) -> list[dict[str, Any]]:
-    """The JSON objects among ``lines`` (other output interleaved in a log is skipped)."""
+    """The JSON objects among ``lines`` (other output interleaved in a log is skipped, and so
+    is a line that nests too deeply or is too large to parse)."""
     events = []
     for line in lines:
         line = line.strip()
         if line.startswith("{"):
             try:
                 event = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError, MemoryError):
                 continue
             if isinstance(event, dict):
                 events.append(event)
     return events
+
+
+def _lines(path: str) -> Iterator[str]:
+    for _, line in files.read_lines(path, EVENTS_LIMIT, LINE_LIMIT):
+        yield line.decode("utf-8", errors="replace")
+
+
+def read_file(path: str) -> list[dict[str, Any]]:
+    """The events in the file at ``path`` (see the module doc for the limits); raises
+    :class:`FileNotFoundError`, or :class:`hybrid_draft.files.FileProblem` naming the file."""
+    return read(_lines(path))
+
+
+def _number(value: Any) -> int | float | None:
+    """A finite JSON number, else None (a string, a boolean, NaN...)."""
+    if type(value) in (int, float) and math.isfinite(value):
+        return value  # type: ignore[no-any-return]
+    return None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _pid(value: Any) -> int | str | None:
+    """A process key: the pid as written when it is a number or a string, else its JSON."""
+    if value is None or (type(value) is int) or isinstance(value, str):
+        return value  # type: ignore[no-any-return]
+    try:
+        return json.dumps(value, default=str)[:80]
+    except (ValueError, RecursionError):
+        return type(value).__name__
+
+
+def _row(e: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a ``loaded``/``load_failed`` event, each of the type it should be."""
+    row: dict[str, Any] = {}
+    for key in LOAD_KEYS:
+        value = e.get(key)
+        if key in NUMBERS:
+            row[key] = _number(value)
+        elif key == "tensor_filter":
+            row[key] = value if isinstance(value, bool) else None
+        else:
+            row[key] = _text(value)
+    return row
 
 
 def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, Any]:
@@ -74,26 +140,26 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     processes: dict[Any, dict[str, Any]] = {}
     pending: dict[Any, dict[str, Any]] = {}
     for e in events:
-        kind, pid = e.get("event"), e.get("pid")
+        kind, pid = e.get("event"), _pid(e.get("pid"))
         if kind == "hybrid_draft.decision":
             pending[pid] = e
             continue
         if kind not in ("hybrid_draft.loaded", "hybrid_draft.load_failed"):
             continue
         proc = processes.setdefault(pid, {"pid": pid, "loads": [], "failures": []})
-        row = {k: e.get(k) for k in LOAD_KEYS}
+        row = _row(e)
         decision = pending.pop(pid, None)
-        if decision is not None and decision.get("role") == e.get("role"):
+        if decision is not None and _text(decision.get("role")) == row["role"]:
             row.update(
-                action=decision.get("action"),
-                reason=decision.get("reason"),
-                mode=decision.get("mode"),
+                action=_text(decision.get("action")),
+                reason=_text(decision.get("reason")),
+                mode=_text(decision.get("mode")),
             )
         if kind == "hybrid_draft.loaded":
             proc["loads"].append(row)
         else:
             proc["failures"].append(
-                {**row, "error_type": e.get("error_type"), "error": e.get("error")}
+                {**row, "error_type": _text(e.get("error_type")), "error": _text(e.get("error"))}
             )
     for proc in processes.values():
         target = next((r for r in proc["loads"] if r["role"] == "target"), None)
@@ -123,26 +189,43 @@ def render(summary: dict[str, Any]) -> str:
     """The terminal rendering of :func:`summarize`."""
     if not summary["processes"]:
         return "no model loads in these events (no hybrid_draft.loaded or load_failed event)"
+    from hybrid_draft.tools import tables
+
+    columns = [
+        ("role", "left"),
+        ("format", "left"),
+        ("seconds", "right"),
+        ("read", "right"),
+        ("tensors", "right"),
+        ("shards", "right"),
+        ("decision", "left"),
+    ]
     lines = []
     for proc in summary["processes"]:
         lines.append(f"process {proc['pid']}")
-        lines.append(
-            f"  {'role':<7}{'format':<24}{'seconds':>9}{'read':>13}{'tensors':>9}"
-            f"{'shards':>10}  decision"
-        )
+        rows = []
         for row in proc["loads"]:
             fmt = row["load_format"] or "?"
             if row.get("tensor_filter"):
                 fmt += " (filtered)"
             shards = (
-                f"{row['shards']}/{row['checkpoint_shards']}" if row["shards"] is not None else "?"
+                f"{_num(row['shards'])}/{_num(row['checkpoint_shards'])}"
+                if row["shards"] is not None
+                else "?"
             )
             decision = f"{row.get('action')} ({row.get('reason')})" if row.get("reason") else ""
-            lines.append(
-                f"  {row['role'] or '?':<7}{fmt:<24}{_num(row['seconds'], '{:.2f}'):>9}"
-                f"{_bytes(row['bytes_read']):>13}{_num(row['tensors']):>9}"
-                f"{shards:>10}  {decision}"
+            rows.append(
+                [
+                    row["role"] or "?",
+                    fmt,
+                    _num(row["seconds"], "{:.2f}"),
+                    _bytes(row["bytes_read"]),
+                    _num(row["tensors"]),
+                    shards,
+                    decision,
+                ]
             )
+        lines.append(tables.render(columns, rows, indent=2))
         for row in proc["loads"]:
             s = row.get("vs_full_pass")
             if not s:
@@ -163,7 +246,7 @@ def render(summary: dict[str, Any]) -> str:
             lines.append(
                 f"  FAILED {row['role'] or '?'} load ({row['load_format']}) after "
                 f"{_num(row['seconds'], '{:.2f}')} s: {row['error_type']}: "
-                f"{row['error']}"
+                f"{files.one_line(str(row['error']), 2000)}"
             )
     lines.append(
         f"{summary['loads']} load(s), {summary['failures']} failed, in "
