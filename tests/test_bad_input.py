@@ -91,7 +91,8 @@ SOURCES: dict[str, tuple[Callable[[Path], Path], str]] = {
 
 
 @pytest.mark.parametrize(
-    "kind", [*SOURCES, "deep_array", "deep_table", "not_utf8", "unknown_key", "bad_mode"]
+    "kind",
+    [*SOURCES, "deep_array", "deep_table", "long_line", "not_utf8", "unknown_key", "bad_mode"],
 )
 def test_config(kind: str, tmp_path: Path) -> None:
     env = {}
@@ -103,6 +104,9 @@ def test_config(kind: str, tmp_path: Path) -> None:
     elif kind == "deep_table":
         path = deep("a = " + "{b = " * 5000 + "1" + "}" * 5000)(tmp_path / "c.toml")
         fragment = "nested too deeply"
+    elif kind == "long_line":  # every line is scanned to place the error: linear time
+        text = 'x = """\n[a' + " " * 1_000_000 + 'b\n"""\n'
+        path, fragment = deep(text)(tmp_path / "c.toml"), "unknown key 'x'"
     elif kind == "not_utf8":
         path = tmp_path / "c.toml"
         path.write_bytes(b'[draft]\nmode = "\xff"\n')

@@ -97,8 +97,7 @@ def server() -> Iterator[Callable[..., str]]:
     httpd.server_close()
 
 
-def smoke(url: str, events: Path, *args: str, limit: float = 120) -> tuple[int, list[str], float]:
-    start = time.monotonic()
+def smoke(url: str, events: Path, *args: str, limit: float = 120) -> tuple[int, list[str]]:
     out = subprocess.run(
         [
             sys.executable,
@@ -120,7 +119,7 @@ def smoke(url: str, events: Path, *args: str, limit: float = 120) -> tuple[int, 
         timeout=limit,
     )
     assert "Traceback" not in out.stderr, out.stderr
-    return out.returncode, out.stdout.splitlines(), time.monotonic() - start
+    return out.returncode, out.stdout.splitlines()
 
 
 @pytest.fixture
@@ -149,7 +148,7 @@ def test_a_malformed_model_list_fails_naming_it(
     answer: str, shown: str, server: Callable[..., str], events: Path
 ) -> None:
     url = server(v1__models=body(answer))
-    code, lines, _ = smoke(url, events)
+    code, lines = smoke(url, events)
     assert code == 1
     assert fail_line(lines, "models") == f"FAIL models: GET {url}/v1/models {shown}"
     assert lines[-1] == "smoke: 0 passed, 1 failed"
@@ -167,7 +166,7 @@ def test_metrics_that_are_not_prometheus_text_fail_naming_the_endpoint(
     answer: Answer, shown: str, server: Callable[..., str], events: Path
 ) -> None:
     url = server(metrics=answer)
-    code, lines, _ = smoke(url, events)
+    code, lines = smoke(url, events)
     line = fail_line(lines, "speculative metrics")
     assert code == 1 and f"{url}/metrics" in line and shown in line, line
     assert lines[0].startswith("PASS models") and lines[1].startswith("PASS completions")
@@ -185,7 +184,7 @@ def test_malformed_completions_fail_saying_what_came_back(
     answer: Answer, shown: str, server: Callable[..., str], events: Path
 ) -> None:
     url = server(v1__completions=answer)
-    _, lines, _ = smoke(url, events)
+    _, lines = smoke(url, events)
     line = fail_line(lines, "completions")
     assert line.startswith("FAIL completions: 1 of 1 returned no text") and (
         shown.replace("@URL", url) in line
@@ -198,8 +197,8 @@ def test_a_trickling_server_cannot_outlast_the_deadline(
     answer: Answer, endpoint: str, server: Callable[..., str], events: Path
 ) -> None:
     url = server(**{endpoint: answer})
-    code, lines, took = smoke(url, events, "--deadline", "4", limit=60)
-    assert code == 1 and took < 30, (took, lines)
+    code, lines = smoke(url, events, "--deadline", "4", limit=60)  # a hang times out
+    assert code == 1, lines
     path = "/" + endpoint.replace("__", "/")
     line = fail_line(lines, "models" if endpoint == "v1__models" else "speculative metrics")
     assert f"GET {url}{path}: no complete answer within" in line, line
@@ -210,8 +209,8 @@ def test_the_deadline_includes_the_wait_for_health(
     server: Callable[..., str], events: Path
 ) -> None:
     url = server(health=body("starting", 503))
-    code, lines, took = smoke(url, events, "--wait", "600", "--deadline", "3", limit=60)
-    assert code == 1 and took < 30
+    code, lines = smoke(url, events, "--wait", "600", "--deadline", "3", limit=60)
+    assert code == 1
     assert lines == [f"FAIL health: {url}/health did not answer within 3 s"]
 
 

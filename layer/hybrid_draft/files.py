@@ -88,7 +88,7 @@ def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
         raise
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         detail = _os_detail(exc) if isinstance(exc, OSError) else str(exc)
-        raise FileProblem(path, f"cannot be read: {detail}") from None
+        raise FileProblem(path, detail) from None
     if not stat.S_ISREG(before.st_mode):
         raise FileProblem(path, f"{describe(before.st_mode)}, not a regular file")
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -97,7 +97,7 @@ def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise FileProblem(path, f"cannot be read: {_os_detail(exc)}") from None
+        raise FileProblem(path, _os_detail(exc)) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # replaced between the check and the open
@@ -115,7 +115,7 @@ def pread_exact(fd: int, size: int, offset: int, path: str | os.PathLike[str]) -
         try:
             chunk = os.pread(fd, min(size, 16 << 20), offset)
         except OSError as exc:
-            raise FileProblem(path, f"cannot be read: {_os_detail(exc)}") from None
+            raise FileProblem(path, _os_detail(exc)) from None
         if not chunk:
             break
         chunks.append(chunk)
@@ -190,7 +190,7 @@ def read_lines(
             try:
                 line = f.readline(line_limit + 1)
             except OSError as exc:
-                raise FileProblem(path, f"cannot be read: {_os_detail(exc)}") from None
+                raise FileProblem(path, _os_detail(exc)) from None
             if not line:
                 return
             number += 1
