@@ -129,11 +129,11 @@ def test_config(kind: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", [*SOURCES, "missing"])
 def test_report_of_a_file_it_cannot_read(kind: str, tmp_path: Path) -> None:
     if kind == "missing":
-        path, fragment = tmp_path / "absent.jsonl", "no such file"
+        path, fragment = tmp_path / "absent.jsonl", "No such file or directory"
     else:
         make, fragment = SOURCES[kind]
         path = make(tmp_path / "events.jsonl")
-    one_line_error(cli("report", str(path)), f"hybrid-draft report: {path}", fragment)
+    one_line_error(cli("report", str(path)), f"hybrid-draft report: cannot read {path}", fragment)
 
 
 def test_report_tolerates_any_content(tmp_path: Path) -> None:
@@ -179,6 +179,24 @@ def test_report_tolerates_any_content(tmp_path: Path) -> None:
     assert draft["seconds"] is None and draft["vs_full_pass"]["bytes_saved"] is None
     text = cli("report", str(path)).stdout
     assert "process [1, 2]" in text and "2 load(s), 1 failed, in 3 process(es)" in text
+
+
+def test_report_of_thousands_of_loads_prints_the_first_and_counts_all(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    loaded = {"event": "hybrid_draft.loaded", "role": "target", "seconds": 1.0}
+    path.write_text(
+        "".join(json.dumps({**loaded, "pid": i % 250}) + "\n" for i in range(500))
+        + "".join(json.dumps({**loaded, "pid": 0}) + "\n" for _ in range(300))
+    )
+    out = cli("report", str(path))
+    assert out.returncode == 0 and out.stderr == ""
+    lines = out.stdout.splitlines()
+    assert lines[-2:] == [
+        "... 50 more process(es) (--json has them all)",
+        "800 load(s), 0 failed, in 250 process(es)",
+    ]
+    assert "  ... 102 more load(s) (--json has them all)" in lines
+    assert len(json.loads(cli("report", str(path), "--json").stdout)["processes"]) == 250
 
 
 # --- plan ----------------------------------------------------------------------------------------
@@ -348,6 +366,8 @@ def test_bench_never_overwrites_a_directory_it_did_not_write(tmp_path: Path) -> 
     one_line_error(out, "hybrid-draft bench: ", f"{other} holds files that are not a bench")
     assert json.loads((other / "config.json").read_text()) == {"mine": True}
     one_line_error(cli("bench", "--out", str(regular / "o")), "hybrid-draft bench: ", str(regular))
+    out = cli("bench", "--out", str(tmp_path / "o"), "--checkpoint", str(regular))
+    one_line_error(out, "hybrid-draft bench: ", f"{regular}: exists and is not a directory")
 
 
 # --- smoke (answers a server gives are in test_smoke_answers.py) -------------------------------

@@ -143,16 +143,17 @@ def _report(args: argparse.Namespace) -> int:
     try:
         summary = report.summarize(report.read_file(args.events_file))
     except FileNotFoundError:
-        print(
-            f"hybrid-draft report: {files.show_path(args.events_file)}: no such file",
-            file=sys.stderr,
-        )
-        return 2
+        detail = "No such file or directory"
     except files.FileProblem as exc:
-        print(f"hybrid-draft report: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=2) if args.json else report.render(summary))
-    return 0
+        detail = exc.detail
+    else:
+        print(json.dumps(summary, indent=2) if args.json else report.render(summary))
+        return 0
+    print(
+        f"hybrid-draft report: cannot read {files.show_path(args.events_file)}: {detail}",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -26,6 +26,9 @@ from hybrid_draft import files
 EVENTS_LIMIT = 256 << 20
 #: The longest line read as an event (the layer's own lines are under 10 kB).
 LINE_LIMIT = 1 << 20
+#: The most processes, and loads per process, the terminal rendering shows (``--json`` has
+#: them all): a server has a handful; an events file of thousands is read, not printed.
+SHOWN = 200
 NUMBERS = (
     "seconds",
     "bytes_read",
@@ -201,10 +204,10 @@ def render(summary: dict[str, Any]) -> str:
         ("decision", "left"),
     ]
     lines = []
-    for proc in summary["processes"]:
+    for proc in summary["processes"][:SHOWN]:
         lines.append(f"process {proc['pid']}")
         rows = []
-        for row in proc["loads"]:
+        for row in proc["loads"][:SHOWN]:
             fmt = row["load_format"] or "?"
             if row.get("tensor_filter"):
                 fmt += " (filtered)"
@@ -226,7 +229,9 @@ def render(summary: dict[str, Any]) -> str:
                 ]
             )
         lines.append(tables.render(columns, rows, indent=2))
-        for row in proc["loads"]:
+        if len(proc["loads"]) > SHOWN:
+            lines.append(f"  ... {len(proc['loads']) - SHOWN} more load(s) (--json has them all)")
+        for row in proc["loads"][:SHOWN]:
             s = row.get("vs_full_pass")
             if not s:
                 continue
@@ -242,12 +247,15 @@ def render(summary: dict[str, Any]) -> str:
                     f"{s['full_pass_seconds']:.2f} s ({s['seconds_saved']:+.2f} s saved)"
                 )
             lines.append(text)
-        for row in proc["failures"]:
+        for row in proc["failures"][:SHOWN]:
             lines.append(
                 f"  FAILED {row['role'] or '?'} load ({row['load_format']}) after "
                 f"{_num(row['seconds'], '{:.2f}')} s: {row['error_type']}: "
                 f"{files.one_line(str(row['error']), 2000)}"
             )
+    if len(summary["processes"]) > SHOWN:
+        more = len(summary["processes"]) - SHOWN
+        lines.append(f"... {more} more process(es) (--json has them all)")
     lines.append(
         f"{summary['loads']} load(s), {summary['failures']} failed, in "
         f"{len(summary['processes'])} process(es)"

@@ -365,9 +365,11 @@ def machine() -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from hybrid_draft.tools import synth
+
     try:
         return _main(args)
-    except (OSError, BenchError) as exc:
+    except (OSError, BenchError, synth.TargetError) as exc:
         from hybrid_draft import files
 
         if isinstance(exc, OSError) and exc.filename is not None:
