@@ -24,52 +24,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan_checkpoint(args: argparse.Namespace) -> int:
-    from hybrid_draft import checkpoint, files, planning
+    import os
+
+    from hybrid_draft import checkpoint, files, settings
+
+    if os.path.isdir(args.model_dir):  # a config.json that cannot be read: before vLLM loads
+        try:
+            checkpoint.read_json(args.model_dir, checkpoint.CONFIG_NAME, checkpoint.CONFIG_LIMIT)
+        except FileNotFoundError:
+            pass  # said below, as the draft's config
+        except checkpoint.CheckpointError as exc:
+            print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
+            return 2
+    from hybrid_draft.adapter import draftplan, drafts
 
     try:  # every shard checked as safetensors checks it, inside the model directory
-        shards = checkpoint.read_checkpoint(args.model_dir)
-    except (OSError, checkpoint.CheckpointError) as exc:
+        plan = draftplan.for_model_dir(args.model_dir, trust_remote_code=args.trust_remote_code)
+    except (OSError, checkpoint.CheckpointError, drafts.PlanError) as exc:
         print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
         return 2
-    try:  # a config.json that cannot be read says so before vLLM is imported
-        checkpoint.read_json(args.model_dir, checkpoint.CONFIG_NAME, checkpoint.CONFIG_LIMIT)
-    except FileNotFoundError:
-        pass  # said below, as the draft's config
-    except checkpoint.CheckpointError as exc:
-        print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
-        return 2
-    from hybrid_draft.adapter import checks, drafts
-
-    try:
-        draft = drafts.mtp_draft(args.model_dir, trust_remote_code=args.trust_remote_code)
-    except drafts.PlanError as exc:
-        print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
-        return 2
-    try:  # a rule reads the config: one that lacks what it needs fails here
-        is_unused = planning.evaluated(shards, draft.is_unused)
-        vllm_rule = (
-            is_unused
-            if draft.vllm_rule is draft.is_unused
-            else planning.evaluated(shards, draft.vllm_rule)
-        )
-    except Exception as exc:
-        print(
-            f"hybrid-draft plan: {args.model_dir}: the {draft.draft_class} weight rule "
-            f"fails on this config: {type(exc).__name__}: {files.one_line(str(exc))}",
-            file=sys.stderr,
-        )
-        return 2
-    reads = planning.modes(
-        shards,
-        is_unused,
-        vllm_rule,
-        checks.selective_host_blocker(),
-        draft_class=draft.draft_class or "draft",
-    )
-    found = planning.warnings(shards, draft.draft_class, is_unused, draft.mtp_layers, draft.notes)
-    result = planning.report(
-        args.model_dir, draft.draft_class, draft.rule_source, shards, reads, found
-    )
+    current, _ = settings.load_lenient()
+    budget = int(current.hold_budget.value) if current else settings.DEFAULT_HOLD_BUDGET
+    result = plan.report(args.model_dir, hold_budget=budget)
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
 
@@ -95,6 +71,19 @@ def table(result: dict[str, Any]) -> str:
         f"draft class  {result['draft_class']}  (weight rule: {result['rule_source']})",
         f"auto         {auto['action']} ({auto['reason']}) -> {auto['chosen_format']}{filtered}",
     ]
+    replaced = result.get("replaced_by_target") or {}
+    if replaced.get("tensors"):
+        lines.append(
+            f"replaced     by the target: {replaced['tensors']} tensors, "
+            f"{_gb(replaced['bytes'])} ({', '.join(replaced['modules'])}), never read"
+        )
+    one_pass = result["modes"].get("one_pass")
+    if one_pass:
+        stream = one_pass["stream"]
+        lines.append(
+            f"one pass     {stream['tensors']} tensors, {_gb(stream['bytes'])} taken from "
+            f"the target's InstantTensor pass (hold budget {_gb(one_pass['hold_budget'])})"
+        )
     for i, w in enumerate(result.get("warnings", [])):
         lines.append(f"{'warning' if i == 0 else '':<13}{w['code']}: {w['detail']}")
     rows = []
@@ -106,17 +95,8 @@ def table(result: dict[str, Any]) -> str:
             else (f"{r['bytes'] / ck['bytes']:.2%}" if ck["bytes"] else f"{0:.2%}")
         )
         note = f"fallback: {r['fallback']}" if r.get("fallback") else ""
-        rows.append(
-            [
-                name,
-                len(r["shards"]),
-                tensors,
-                _gb(r["bytes"]),
-                share,
-                f"{r['touched_tensors']:,}",
-                note,
-            ]
-        )
+        touched = f"{r['touched_tensors']:,}"
+        rows.append([name, len(r["shards"]), tensors, _gb(r["bytes"]), share, touched, note])
     columns = [
         ("mode", "left"),
         ("shards", "right"),

@@ -29,6 +29,8 @@ LINE_LIMIT = 1 << 20
 #: The most processes, and loads per process, the terminal rendering shows (``--json`` has
 #: them all): a server has a handful; an events file of thousands is read, not printed.
 SHOWN = 200
+#: Fields that hold an object (the draft's ``sources``, the ``one_pass`` figures).
+OBJECTS = ("sources", "one_pass")
 NUMBERS = (
     "seconds",
     "bytes_read",
@@ -49,7 +51,17 @@ LOAD_KEYS = (
     "shards",
     "checkpoint_shards",
     "checkpoint_bytes",
+    "sources",
+    "one_pass",
 )
+
+
+#: Where a draft's tensors came from (``sources`` of its ``loaded`` event), in words.
+SOURCES = {
+    "storage": "from storage",
+    "stream": "from the target's stream",
+    "replaced_by_target": "replaced by the target, not read",
+}
 
 
 def read(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -109,6 +121,8 @@ def _row(e: dict[str, Any]) -> dict[str, Any]:
             row[key] = _number(value)
         elif key == "tensor_filter":
             row[key] = value if isinstance(value, bool) else None
+        elif key in OBJECTS:
+            row[key] = value if isinstance(value, dict) else None
         else:
             row[key] = _text(value)
     return row
@@ -176,7 +190,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _bytes(n: int | None) -> str:
+def _bytes(value: Any) -> str:
+    n = _number(value)
     if n is None:
         return "?"
     if n >= 1e9:
@@ -184,7 +199,8 @@ def _bytes(n: int | None) -> str:
     return f"{n / 1e6:,.2f} MB" if n >= 1e5 else f"{n / 1e3:,.1f} kB"
 
 
-def _num(v: Any, fmt: str = "{:,}") -> str:
+def _num(value: Any, fmt: str = "{:,}") -> str:
+    v = _number(value)
     return "?" if v is None else fmt.format(v)
 
 
@@ -231,6 +247,17 @@ def render(summary: dict[str, Any]) -> str:
         lines.append(tables.render(columns, rows, indent=2))
         if len(proc["loads"]) > SHOWN:
             lines.append(f"  ... {len(proc['loads']) - SHOWN} more load(s) (--json has them all)")
+        for row in proc["loads"][:SHOWN]:
+            src = row.get("sources")
+            if isinstance(src, dict) and all(isinstance(src.get(k), dict) for k in SOURCES):
+                lines.append(
+                    "  draft sources: "
+                    + ", ".join(
+                        f"{_num(src[k].get('tensors'))} tensors ({_bytes(src[k].get('bytes'))}) "
+                        f"{what}"
+                        for k, what in SOURCES.items()
+                    )
+                )
         for row in proc["loads"][:SHOWN]:
             s = row.get("vs_full_pass")
             if not s:
