@@ -295,7 +295,7 @@ def _dtype_map(where: str, dtype: Any) -> str:
     """serde's other spelling of a unit enum variant: ``{"F32": null}``."""
     if type(dtype) is dict and len(dtype) == 1:
         ((key, value),) = dtype.items()
-        if value is None:
+        if value is None and isinstance(key, str):
             return key
     raise CheckpointError(
         f"{where}: dtype {files.show(dtype)} is not a string naming a dtype safetensors knows"
@@ -445,20 +445,31 @@ def _read(path: str | os.PathLike[str]) -> tuple[int, Any, int]:
         raise CheckpointError(f"{shown}: header is too large to parse in memory") from None
 
 
+class Header(dict[str, Any]):
+    """A shard's parsed header (entry name -> entry), with its tensors as validated."""
+
+    tensors: tuple[TensorInfo, ...] = ()
+
+
 def read_header(path: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]:
     """The header length and the parsed header JSON of one safetensors file, which must be
-    one ``safe_open`` accepts (else :class:`CheckpointError`)."""
-    size, header, file_size = _read(path)
-    _validate(files.show_path(path), header, size, file_size)
-    return size, dict(_pairs(header))
+    one ``safe_open`` accepts (else :class:`CheckpointError`): the one read of a header,
+    which :func:`read_shard` goes through too."""
+    size, parsed, file_size = _read(path)
+    tensors = _validate(files.show_path(path), parsed, size, file_size)
+    header = Header(_pairs(parsed))
+    header.tensors = tuple(tensors)
+    return size, header
 
 
 def read_shard(path: str | os.PathLike[str]) -> Shard:
     """One shard's tensors from its header; :class:`CheckpointError` for any shard that
     safetensors would reject, naming the shard and the tensor."""
-    size, header, file_size = _read(path)
-    tensors = _validate(files.show_path(path), header, size, file_size)
-    return Shard(Path(path), tuple(tensors))
+    size, header = read_header(path)
+    if isinstance(header, Header):
+        return Shard(Path(path), header.tensors)
+    shown = files.show_path(path)  # a header from elsewhere: checked here
+    return Shard(Path(path), tuple(_validate(shown, header, size, os.stat(path).st_size)))
 
 
 # --- which files: as vLLM resolves them ------------------------------------------------------

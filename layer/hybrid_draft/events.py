@@ -17,6 +17,7 @@ import os
 import stat
 import sys
 import time
+from collections.abc import MutableMapping
 from functools import lru_cache
 from typing import Any
 
@@ -32,12 +33,16 @@ LEVELS = {
 }
 
 
-def _add_pid(_logger: object, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+def _add_pid(
+    _logger: object, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
     event_dict["pid"] = os.getpid()
     return event_dict
 
 
-def _contract_order(_logger: object, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+def _contract_order(
+    _logger: object, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
     """Put the four keys every event has first, so lines read well in a terminal."""
     head = {k: event_dict.pop(k) for k in ("event", "level", "timestamp", "pid") if k in event_dict}
     return {**head, **event_dict}

@@ -105,7 +105,7 @@ def _text(value: Any) -> str | None:
 def _pid(value: Any) -> int | str | None:
     """A process key: the pid as written when it is a number or a string, else its JSON."""
     if value is None or (type(value) is int) or isinstance(value, str):
-        return value  # type: ignore[no-any-return]
+        return value
     try:
         return json.dumps(value, default=str)[:80]
     except (ValueError, RecursionError):
@@ -141,7 +141,7 @@ def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, 
         out["bytes_saved"] = max(full - read_bytes, 0)
         out["share_read"] = read_bytes / full
     same = target is not None and target.get("model") == draft.get("model")
-    out["full_pass_seconds"] = target.get("seconds") if same else None
+    out["full_pass_seconds"] = target.get("seconds") if same and target is not None else None
     out["seconds"] = draft.get("seconds")
     out["seconds_saved"] = (
         round(out["full_pass_seconds"] - out["seconds"], 6)

@@ -48,7 +48,7 @@ class Tensor:
 class Layout:
     """An architecture's ``config.json`` and its tensors in export order."""
 
-    config: dict
+    config: dict[str, Any]
     tensors: list[Tensor]
     is_mtp: frozenset[str] = field(default_factory=frozenset)
 
@@ -65,7 +65,7 @@ def _linear(out: list[Tensor], name: str, rows: int, cols: int, dtype: str, fp8:
         out.append(Tensor(f"{name}.weight", (rows, cols), dtype))
 
 
-def _mlp(out: list[Tensor], prefix: str, p: dict, moe: bool, fp8: bool = False) -> None:
+def _mlp(out: list[Tensor], prefix: str, p: dict[str, Any], moe: bool, fp8: bool = False) -> None:
     """The DeepSeek/GLM MLP: routed experts, a router with its score bias, and shared
     experts in a MoE layer; gate/up/down projections in a dense one."""
     h = p["hidden_size"]
@@ -85,7 +85,9 @@ def _mlp(out: list[Tensor], prefix: str, p: dict, moe: bool, fp8: bool = False) 
     _linear(out, f"{prefix}down_proj", h, inter, "BF16", fp8)
 
 
-def _with_nextn_layer(config: dict, p: dict, block: Any, *, own_embed_and_head: bool) -> Layout:
+def _with_nextn_layer(
+    config: dict[str, Any], p: dict[str, Any], block: Any, *, own_embed_and_head: bool
+) -> Layout:
     """A DeepSeek/GLM export: embedding, ``N`` blocks, norm and head, then the MTP layer
     ``N`` (its input norms and projection, one more block, its shared head's norm, and in
     DeepSeek's export its own copies of the embedding and the head)."""
@@ -110,7 +112,7 @@ def _with_nextn_layer(config: dict, p: dict, block: Any, *, own_embed_and_head: 
 
 # --- Qwen3.5 (dense text model, gated delta-net + full attention, mtp.* head) -------------
 
-QWEN3_5_PRESETS: dict[str, dict] = {
+QWEN3_5_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests: the smallest shapes vLLM's CPU path accepts.
     "tiny": dict(
         vocab_size=512,
@@ -223,7 +225,7 @@ def qwen3_5(preset: str = "tiny", **overrides: int) -> Layout:
 
 # --- DeepSeek-V3 (MLA attention, optional MoE and FP8 block scales) -----------------------
 
-_DEEPSEEK_V3_TINY: dict = dict(
+_DEEPSEEK_V3_TINY: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
@@ -243,7 +245,7 @@ _DEEPSEEK_V3_TINY: dict = dict(
     first_k_dense_replace=1,
 )
 
-DEEPSEEK_V3_PRESETS: dict[str, dict] = {
+DEEPSEEK_V3_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _DEEPSEEK_V3_TINY,
     # What vLLM's CPU build serves (its end-to-end test, the local CPU image): the tiny
     # shapes with DeepSeek's real MLA ranks, since its CPU MLA attention takes only head
@@ -343,7 +345,7 @@ def deepseek_v3(
 
 # --- GLM-4.5 MoE (GQA attention with bias, MoE from layer 1, one MTP layer) ----------------
 
-GLM4_MOE_PRESETS: dict[str, dict] = {
+GLM4_MOE_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vocab_size=512,
         hidden_size=64,
@@ -474,7 +476,7 @@ def qwen3(preset: str = "tiny", **overrides: int) -> Layout:
     return Layout(config, tensors)
 
 
-ARCHITECTURES = {
+ARCHITECTURES: dict[str, Callable[..., Layout]] = {
     "qwen3_5": qwen3_5,
     "deepseek_v3": deepseek_v3,
     "glm4_moe": glm4_moe,
@@ -570,7 +572,7 @@ def _normal_bytes(t: Tensor, rng: object) -> bytes:
         # Small finite e4m3 codes (sign, exponent 0-6, any mantissa): never NaN.
         codes = rng.integers(0, 0x37, count, dtype=np.uint8)  # type: ignore[attr-defined]
         signs = rng.integers(0, 2, count, dtype=np.uint8) << 7  # type: ignore[attr-defined]
-        return (codes | signs).tobytes()
+        return bytes((codes | signs).tobytes())
     return bytes(t.nbytes)
 
 

@@ -98,7 +98,7 @@ def shares(layout: Any) -> dict[str, float]:
     }
 
 
-def _dims(hidden: int, moe: int, vocab: int) -> dict[str, int]:
+def _dims(hidden: int, moe: int, vocab: int) -> dict[str, Any]:
     """DeepSeek-V3's structure at another width: its 61 layers, 3 of them dense, MLA ranks
     and dense width in its ratios to the hidden size, 8 routed experts of width ``moe``."""
     return dict(
@@ -269,7 +269,8 @@ def run_strategy(name: str, shared: dict[str, Any], runs: int) -> dict[str, Any]
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        return json.loads(Path(spec["result_file"]).read_text())
+        result: dict[str, Any] = json.loads(Path(spec["result_file"]).read_text())
+        return result
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
