@@ -156,8 +156,11 @@ class DraftRead:
 
     plan: planning.DraftPlan
     hold: hold.Hold | None = None
-    skip_replaced: bool = True
     sink: tuple[str, str | None] | None = None
+    #: The draft's pipeline-parallel size and speculative method (what vLLM's
+    #: replacement depends on), from the configs the load was decided with.
+    pipeline_parallel_size: int = 1
+    method: str | None = "mtp"
     #: Filled by the load: ``planning.DraftPlan.sources`` keys, as read.
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
     #: The replaced tensors skipped, by name -> kind (after the built model was checked).
@@ -273,13 +276,10 @@ def _loader_classes() -> dict[str, type]:
                     key: {"tensors": 0, "bytes": 0}
                     for key in ("storage", "stream", "replaced_by_target")
                 }
-            if read is not None and read.skip_replaced and read.plan.replaced:
-                vllm_config = get_current_vllm_config()
+            if read is not None and read.plan.replaced:
+                # The built model's own attributes are what vLLM's proposer looks at.
                 kinds = read.plan.shared & sharing.expected(
-                    model,
-                    vllm_config.parallel_config.pipeline_parallel_size,
-                    getattr(vllm_config.speculative_config, "method", None),
-                    True,
+                    model, read.pipeline_parallel_size, read.method, True
                 )
                 replaceable = sharing.replaceable(model, kinds)
                 present = set(replaceable.values())
@@ -326,7 +326,9 @@ def _loader_classes() -> dict[str, type]:
             missing; else read the skipped tensors now (the name rule missed this class)."""
             params = dict(model.named_parameters())
             pending = {n for n in replaceable if loaded is None or n not in loaded}
-            if loaded is None or not self._complete(model, model_config, loaded | pending):
+            # A load_weights that reports nothing (HY-V3's) leaves nothing to check here:
+            # the name rule (proven per class) and the check after vLLM's replacement stand.
+            if loaded is not None and not self._complete(model, model_config, loaded | pending):
                 names = list(read.skipped)
                 with sharing.partial_load():
                     more = load(self._count(read, self.read_names(read.plan, names)))
@@ -343,7 +345,7 @@ def _loader_classes() -> dict[str, type]:
                 )
                 read.sources["replaced_by_target"] = {"tensors": 0, "bytes": 0}
                 read.skipped = {}
-                return None if loaded is None else loaded | set(more or ())
+                return loaded | set(more or ())
             by_kind: dict[str, list[str]] = {}
             for name, kind in read.skipped.items():
                 by_kind.setdefault(kind, []).append(name)
@@ -362,7 +364,7 @@ def _loader_classes() -> dict[str, type]:
                 scope.skipped.append(skipped)
             else:
                 sharing.on_first_forward(skipped)
-            return loaded | pending
+            return None if loaded is None else loaded | pending
 
     class FilteredSafetensorsLoader(PlannedDraftLoader):
         """Lazy safetensors that never touch a tensor the draft's plan leaves out."""

@@ -23,6 +23,7 @@ FALLBACKS = (
     "no_cuda",
     "no_tensor_filter",
     "planning_failed",
+    "part_skipped",
 )
 
 Blocker = tuple[str, str]  # (fallback code, detail)

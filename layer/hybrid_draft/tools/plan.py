@@ -38,13 +38,16 @@ def _plan_checkpoint(args: argparse.Namespace) -> int:
             return 2
     from hybrid_draft.adapter import draftplan, drafts
 
+    current, _ = settings.load_lenient()  # what the load would do here, else the defaults
+    skip = bool(current.skip_replaced.value) if current else True
+    budget = int(current.hold_budget.value) if current else settings.DEFAULT_HOLD_BUDGET
     try:  # every shard checked as safetensors checks it, inside the model directory
-        plan = draftplan.for_model_dir(args.model_dir, trust_remote_code=args.trust_remote_code)
+        plan = draftplan.for_model_dir(
+            args.model_dir, trust_remote_code=args.trust_remote_code, skip_replaced=skip
+        )
     except (OSError, checkpoint.CheckpointError, drafts.PlanError) as exc:
         print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
         return 2
-    current, _ = settings.load_lenient()
-    budget = int(current.hold_budget.value) if current else settings.DEFAULT_HOLD_BUDGET
     result = plan.report(args.model_dir, hold_budget=budget)
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
