@@ -1,9 +1,12 @@
-"""Settings: the environment, then the TOML file, then the defaults (CONTRACT.md's table).
+"""Settings: the environment, then the TOML file, then the defaults (docs/contract.md).
 
 Each value keeps where it came from (``env``, ``file`` or ``default``) so that events and
-``hybrid-draft config`` can say it. Bad input raises :class:`ConfigError`, which names the
-source (the variable, or the file and line) and the accepted values. Reading is cheap
-(one small file), so callers read afresh at each model load.
+``hybrid-draft config`` can say it. Every failure of a source raises :class:`ConfigError`,
+which names the source (the variable, or the file and line) and the accepted values: a file
+that is not a regular file (a FIFO, ``/dev/zero``, a directory), one over
+:data:`CONFIG_LIMIT`, one nested too deeply to parse, as much as an unknown key. The hook
+catches exactly that class, so no bad source can switch the layer off in silence. Reading
+is cheap (one small file, never a blocking open), so callers read afresh at each load.
 
 A Ray worker on another host than the driver also gets the driver's effective settings in
 ``HYBRID_DRAFT_DRIVER_SETTINGS`` (``adapter/ray_env.py`` puts them there when vLLM starts
@@ -24,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hybrid_draft import files
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - the image and the tests run 3.11+
@@ -33,6 +38,8 @@ MODES = ("auto", "safetensors", "instanttensor", "selective")
 LEVELS = ("debug", "info", "warning", "error")
 
 DEFAULT_CONFIG_PATH = "/etc/hybrid-draft.toml"
+#: The largest config file read (bytes); the documented file is well under 2 kB.
+CONFIG_LIMIT = 1 << 20
 ENV_CONFIG = "HYBRID_DRAFT_CONFIG"
 ENV_MODE = "INSTANTTENSOR_DRAFT_LOADER"
 ENV_LEVEL = "HYBRID_DRAFT_LOG_LEVEL"
@@ -66,6 +73,7 @@ _UNITS = {
     "tb": 1000**4,
 }
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
 
 Source = Literal["env", "file", "default"]
 
@@ -170,8 +178,8 @@ class Key:
         what = f"{self.dotted!r}" if source != self.env else self.name
 
         def bad() -> ConfigError:
-            shown = raw if isinstance(raw, str) else f"{type(raw).__name__} {raw!r}"
-            return ConfigError(source, f"{shown!r} is not a valid {what}; {self.accepted()}")
+            shown = files.show(raw if isinstance(raw, str) else f"{type(raw).__name__} {raw!r}")
+            return ConfigError(source, f"{shown} is not a valid {what}; {self.accepted()}")
 
         if self.kind == "bool":
             if isinstance(raw, bool):
@@ -182,10 +190,8 @@ class Key:
         if self.kind == "size":
             if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
                 return raw
-            m = (
-                re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", raw)
-                if isinstance(raw, str)
-                else None
+            m = (  # stripped first: no two patterns here can share a character (linear)
+                _SIZE.fullmatch(raw.strip()) if isinstance(raw, str) and len(raw) < 200 else None
             )
             if m is None or m.group(2).lower() not in _UNITS:
                 raise bad()
@@ -194,7 +200,9 @@ class Key:
             kind = (
                 f"a string naming one of {', '.join(self.choices)}" if self.choices else ("a path")
             )
-            raise ConfigError(source, f"{what} must be {kind}, got {type(raw).__name__} {raw!r}")
+            raise ConfigError(
+                source, f"{what} must be {kind}, got {type(raw).__name__} {files.show(raw)}"
+            )
         if self.kind == "choice":
             return _choice(raw, self.choices, source, what)
         if raw == "":
@@ -232,21 +240,28 @@ def config_path(environ: Mapping[str, str] | None = None) -> str:
     return env.get(ENV_CONFIG) or DEFAULT_CONFIG_PATH
 
 
+_HEADER = re.compile(r"\s*\[([^\[\]]*)\]\s*(?:#.*)?")
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_.\-\"' ]+")
+
+
 def _key_line(text: str, table: str, key: str | None) -> int | None:
-    """The 1-based line of ``[table]`` / ``key =`` in a TOML text (None if not found)."""
+    """The 1-based line of ``[table]`` / ``key =`` in a TOML text (None if not found).
+
+    Linear in the text: no pattern here can backtrack over a long line.
+    """
     current = ""
-    header = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\s*(#.*)?$")
     for number, line in enumerate(text.splitlines(), 1):
-        m = header.match(line)
-        if m:
-            current = m.group(1).replace('"', "").replace("'", "")
+        m = _HEADER.fullmatch(line)
+        if m and _TABLE_NAME.fullmatch(m.group(1).strip()):
+            current = m.group(1).strip().replace('"', "").replace("'", "")
+            current = ".".join(part.strip() for part in current.split("."))
             if key is None and current == table:
                 return number
             continue
         stripped = line.strip()
         if key is None or not stripped or stripped.startswith("#"):
             continue
-        name = re.split(r"\s*=", stripped, maxsplit=1)[0].strip().strip("\"'")
+        name = stripped.partition("=")[0].strip().strip("\"'")
         if (current == table and name == key) or (current == "" and name == f"{table}.{key}"):
             return number
     return None
@@ -254,36 +269,49 @@ def _key_line(text: str, table: str, key: str | None) -> int | None:
 
 def _where(path: str, text: str, table: str, key: str | None = None) -> str:
     line = _key_line(text, table, key)
-    return f"{path}:{line}" if line else path
+    shown = files.show_path(path)
+    return f"{shown}:{line}" if line else shown
 
 
 def _choice(raw: str, accepted: tuple[str, ...], source: str, what: str) -> str:
     value = raw.strip().lower()
     if value not in accepted:
         raise ConfigError(
-            source, f"{raw!r} is not a valid {what}; accepted values: {', '.join(accepted)}"
+            source,
+            f"{files.show(raw)} is not a valid {what}; accepted values: {', '.join(accepted)}",
         )
     return value
 
 
 def _read_file(path: str) -> tuple[dict[str, Any], str] | None:
-    """The parsed file and its text, or None when there is no file at ``path``."""
+    """The parsed file and its text, or None when there is no file at ``path``.
+
+    Only a regular file of at most :data:`CONFIG_LIMIT` bytes is read, and never with an
+    open that can block; every way the file can fail is a :class:`ConfigError`.
+    """
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        text = files.read_text(path, CONFIG_LIMIT)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise ConfigError(path, f"cannot read the config file: {exc.strerror or exc}") from exc
+    except files.FileProblem as exc:
+        raise ConfigError(
+            files.show_path(path), f"cannot read the config file: {exc.detail}"
+        ) from None
     try:
-        text = raw.decode("utf-8")
         return tomllib.loads(text), text
-    except UnicodeDecodeError as exc:
-        raise ConfigError(path, f"not UTF-8 text: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         m = re.search(r"line (\d+)", str(exc))
-        where = f"{path}:{m.group(1)}" if m else path
-        raise ConfigError(where, f"invalid TOML: {exc}") from exc
+        shown = files.show_path(path)
+        where = f"{shown}:{m.group(1)}" if m else shown
+        raise ConfigError(where, f"invalid TOML: {files.one_line(str(exc))}") from None
+    except RecursionError:
+        raise ConfigError(
+            files.show_path(path), "invalid TOML: nested too deeply to parse"
+        ) from None
+    except MemoryError:
+        raise ConfigError(
+            files.show_path(path), "invalid TOML: too large to parse in memory"
+        ) from None
 
 
 def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]:
@@ -296,17 +324,20 @@ def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]
                 if isinstance(content, dict)
                 else _where(path, text, "", table)
             )
-            raise ConfigError(where, f"unknown key {table!r}; accepted keys: {_ACCEPTED_KEYS}")
+            raise ConfigError(
+                where, f"unknown key {files.show(table)}; accepted keys: {_ACCEPTED_KEYS}"
+            )
         if not isinstance(content, dict):
             raise ConfigError(
                 _where(path, text, "", table),
-                f"{table!r} must be a table ([{table}]); accepted keys: {_ACCEPTED_KEYS}",
+                f"{files.show(table)} must be a table ([{table}]); accepted keys: {_ACCEPTED_KEYS}",
             )
         for key, raw in content.items():
             where = _where(path, text, table, key)
             if (table, key) not in _KEYS:
                 raise ConfigError(
-                    where, f"unknown key '{table}.{key}'; accepted keys: {_ACCEPTED_KEYS}"
+                    where,
+                    f"unknown key {files.show(f'{table}.{key}')}; accepted keys: {_ACCEPTED_KEYS}",
                 )
             spec = _KEYS[(table, key)]
             values[spec.name] = Value(spec.parse(raw, where), "file", where)
@@ -360,22 +391,32 @@ def _carried(env: Mapping[str, str], node: str) -> tuple[dict[str, Value], str, 
 
 
 def load(environ: Mapping[str, str] | None = None, *, node: str | None = None) -> Settings:
-    """The effective settings; raises :class:`ConfigError` on any invalid source.
+    """The effective settings; raises :class:`ConfigError`, and nothing else, for any
+    invalid source (the one class the hook catches to stop a load).
 
     Per setting: this process's environment variable, then the driver's carried settings
     (on a host other than ``node``, this host's name by default), then the file, then the
     default. Where the driver's settings are carried, this host's file is not read.
     """
     env = os.environ if environ is None else environ
-    carried = _carried(env, this_node() if node is None else node)
+    path = config_path(env)
     driver: str | None = None
-    if carried is not None:
-        from_file, path, exists, driver = carried
-    else:
-        path = config_path(env)
-        parsed = _read_file(path)
-        exists = parsed is not None
-        from_file = _file_values(path, *parsed) if parsed else {}
+    try:
+        carried = _carried(env, this_node() if node is None else node)
+        if carried is not None:
+            from_file, path, exists, driver = carried
+        else:
+            parsed = _read_file(path)
+            exists = parsed is not None
+            from_file = _file_values(path, *parsed) if parsed else {}
+    except ConfigError:
+        raise
+    except Exception as exc:  # a failure no check above foresaw is still the source's
+        source = ENV_DRIVER if env.get(ENV_DRIVER, "").strip() else files.show_path(path)
+        raise ConfigError(
+            source,
+            f"cannot use these settings: {type(exc).__name__}: {files.one_line(str(exc))}",
+        ) from None
     result: dict[str, Value] = {}
     for spec in KEYS:
         raw = env.get(spec.env, "")

@@ -8,14 +8,38 @@ paired in order per process. A second full pass would read every byte of the che
 (``checkpoint_bytes``) and, being the same read as the target's, take about as long as the
 target's load in that process: the savings are measured against those two figures.
 Decisions that carry a ``rank`` are also compared across ranks (:func:`inconsistent`).
-Pure and stdlib-only: ``smoke`` prints the same summary.
+``smoke`` prints the same summary. A field of the wrong type (a list ``pid``, a string
+``seconds``, a byte count that is not a number) reads as unknown (``?``, or null in
+``--json``) rather than failing; the file is read as a stream, a regular file of at most
+:data:`EVENTS_LIMIT` bytes whose lines over :data:`LINE_LIMIT` are skipped.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+from hybrid_draft import files
+
+#: The largest events file read (a server writes a few dozen lines per start).
+EVENTS_LIMIT = 256 << 20
+#: The longest line read as an event (the layer's own lines are under 10 kB).
+LINE_LIMIT = 1 << 20
+#: The most processes, and loads per process, the terminal rendering shows (``--json`` has
+#: them all): a server has a handful; an events file of thousands is read, not printed.
+SHOWN = 200
+#: Fields that hold an object (the draft's ``sources``, the ``one_pass`` figures).
+OBJECTS = ("sources", "one_pass")
+NUMBERS = (
+    "seconds",
+    "bytes_read",
+    "tensors",
+    "shards",
+    "checkpoint_shards",
+    "checkpoint_bytes",
+)
 
 LOAD_KEYS = (
     "role",
@@ -42,18 +66,67 @@ SOURCES = {
 
 
 def read(lines: Iterable[str]) -> list[dict[str, Any]]:
-    """The JSON objects among ``lines`` (other output interleaved in a log is skipped)."""
+    """The JSON objects among ``lines`` (other output interleaved in a log is skipped, and so
+    is a line that nests too deeply or is too large to parse)."""
     events = []
     for line in lines:
         line = line.strip()
         if line.startswith("{"):
             try:
                 event = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError, MemoryError):
                 continue
             if isinstance(event, dict):
                 events.append(event)
     return events
+
+
+def _lines(path: str) -> Iterator[str]:
+    for _, line in files.read_lines(path, EVENTS_LIMIT, LINE_LIMIT):
+        yield line.decode("utf-8", errors="replace")
+
+
+def read_file(path: str) -> list[dict[str, Any]]:
+    """The events in the file at ``path`` (see the module doc for the limits); raises
+    :class:`FileNotFoundError`, or :class:`hybrid_draft.files.FileProblem` naming the file."""
+    return read(_lines(path))
+
+
+def _number(value: Any) -> int | float | None:
+    """A finite JSON number, else None (a string, a boolean, NaN...)."""
+    if type(value) in (int, float) and math.isfinite(value):
+        return value  # type: ignore[no-any-return]
+    return None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _pid(value: Any) -> int | str | None:
+    """A process key: the pid as written when it is a number or a string, else its JSON."""
+    if value is None or (type(value) is int) or isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, default=str)[:80]
+    except (ValueError, RecursionError):
+        return type(value).__name__
+
+
+def _row(e: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a ``loaded``/``load_failed`` event, each of the type it should be."""
+    row: dict[str, Any] = {}
+    for key in LOAD_KEYS:
+        value = e.get(key)
+        if key in NUMBERS:
+            row[key] = _number(value)
+        elif key == "tensor_filter":
+            row[key] = value if isinstance(value, bool) else None
+        elif key in OBJECTS:
+            row[key] = value if isinstance(value, dict) else None
+        else:
+            row[key] = _text(value)
+    return row
 
 
 def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, Any]:
@@ -69,7 +142,7 @@ def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, 
         out["bytes_saved"] = max(full - read_bytes, 0)
         out["share_read"] = read_bytes / full
     same = target is not None and target.get("model") == draft.get("model")
-    out["full_pass_seconds"] = target.get("seconds") if same else None
+    out["full_pass_seconds"] = target.get("seconds") if same and target is not None else None
     out["seconds"] = draft.get("seconds")
     out["seconds_saved"] = (
         round(out["full_pass_seconds"] - out["seconds"], 6)
@@ -150,26 +223,26 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     processes: dict[Any, dict[str, Any]] = {}
     pending: dict[Any, dict[str, Any]] = {}
     for e in events:
-        kind, pid = e.get("event"), e.get("pid")
+        kind, pid = e.get("event"), _pid(e.get("pid"))
         if kind == "hybrid_draft.decision":
             pending[pid] = e
             continue
         if kind not in ("hybrid_draft.loaded", "hybrid_draft.load_failed"):
             continue
         proc = processes.setdefault(pid, {"pid": pid, "loads": [], "failures": []})
-        row = {k: e.get(k) for k in LOAD_KEYS}
+        row = _row(e)
         decision = pending.pop(pid, None)
-        if decision is not None and decision.get("role") == e.get("role"):
+        if decision is not None and _text(decision.get("role")) == row["role"]:
             row.update(
-                action=decision.get("action"),
-                reason=decision.get("reason"),
-                mode=decision.get("mode"),
+                action=_text(decision.get("action")),
+                reason=_text(decision.get("reason")),
+                mode=_text(decision.get("mode")),
             )
         if kind == "hybrid_draft.loaded":
             proc["loads"].append(row)
         else:
             proc["failures"].append(
-                {**row, "error_type": e.get("error_type"), "error": e.get("error")}
+                {**row, "error_type": _text(e.get("error_type")), "error": _text(e.get("error"))}
             )
     for proc in processes.values():
         target = next((r for r in proc["loads"] if r["role"] == "target"), None)
@@ -185,7 +258,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _bytes(n: int | None) -> str:
+def _bytes(value: Any) -> str:
+    n = _number(value)
     if n is None:
         return "?"
     if n >= 1e9:
@@ -193,7 +267,8 @@ def _bytes(n: int | None) -> str:
     return f"{n / 1e6:,.2f} MB" if n >= 1e5 else f"{n / 1e3:,.1f} kB"
 
 
-def _num(v: Any, fmt: str = "{:,}") -> str:
+def _num(value: Any, fmt: str = "{:,}") -> str:
+    v = _number(value)
     return "?" if v is None else fmt.format(v)
 
 
@@ -221,27 +296,46 @@ def render(summary: dict[str, Any]) -> str:
                 *_consistency(summary),
             ]
         )
+    from hybrid_draft.tools import tables
+
+    columns = [
+        ("role", "left"),
+        ("format", "left"),
+        ("seconds", "right"),
+        ("read", "right"),
+        ("tensors", "right"),
+        ("shards", "right"),
+        ("decision", "left"),
+    ]
     lines = []
-    for proc in summary["processes"]:
+    for proc in summary["processes"][:SHOWN]:
         lines.append(f"process {proc['pid']}")
-        lines.append(
-            f"  {'role':<7}{'format':<24}{'seconds':>9}{'read':>13}{'tensors':>9}"
-            f"{'shards':>10}  decision"
-        )
-        for row in proc["loads"]:
+        rows = []
+        for row in proc["loads"][:SHOWN]:
             fmt = row["load_format"] or "?"
             if row.get("tensor_filter"):
                 fmt += " (filtered)"
             shards = (
-                f"{row['shards']}/{row['checkpoint_shards']}" if row["shards"] is not None else "?"
+                f"{_num(row['shards'])}/{_num(row['checkpoint_shards'])}"
+                if row["shards"] is not None
+                else "?"
             )
             decision = f"{row.get('action')} ({row.get('reason')})" if row.get("reason") else ""
-            lines.append(
-                f"  {row['role'] or '?':<7}{fmt:<24}{_num(row['seconds'], '{:.2f}'):>9}"
-                f"{_bytes(row['bytes_read']):>13}{_num(row['tensors']):>9}"
-                f"{shards:>10}  {decision}"
+            rows.append(
+                [
+                    row["role"] or "?",
+                    fmt,
+                    _num(row["seconds"], "{:.2f}"),
+                    _bytes(row["bytes_read"]),
+                    _num(row["tensors"]),
+                    shards,
+                    decision,
+                ]
             )
-        for row in proc["loads"]:
+        lines.append(tables.render(columns, rows, indent=2))
+        if len(proc["loads"]) > SHOWN:
+            lines.append(f"  ... {len(proc['loads']) - SHOWN} more load(s) (--json has them all)")
+        for row in proc["loads"][:SHOWN]:
             src = row.get("sources")
             if isinstance(src, dict) and all(isinstance(src.get(k), dict) for k in SOURCES):
                 lines.append(
@@ -252,7 +346,7 @@ def render(summary: dict[str, Any]) -> str:
                         for k, what in SOURCES.items()
                     )
                 )
-        for row in proc["loads"]:
+        for row in proc["loads"][:SHOWN]:
             s = row.get("vs_full_pass")
             if not s:
                 continue
@@ -268,12 +362,15 @@ def render(summary: dict[str, Any]) -> str:
                     f"{s['full_pass_seconds']:.2f} s ({s['seconds_saved']:+.2f} s saved)"
                 )
             lines.append(text)
-        for row in proc["failures"]:
+        for row in proc["failures"][:SHOWN]:
             lines.append(
                 f"  FAILED {row['role'] or '?'} load ({row['load_format']}) after "
                 f"{_num(row['seconds'], '{:.2f}')} s: {row['error_type']}: "
-                f"{row['error']}"
+                f"{files.one_line(str(row['error']), 2000)}"
             )
+    if len(summary["processes"]) > SHOWN:
+        more = len(summary["processes"]) - SHOWN
+        lines.append(f"... {more} more process(es) (--json has them all)")
     lines.extend(_consistency(summary))
     lines.append(
         f"{summary['loads']} load(s), {summary['failures']} failed, in "
