@@ -16,6 +16,12 @@ from __future__ import annotations
 
 import sys
 
+TYPE_CHECKING = False  # typing is not imported at start-up; type checkers take this as True
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+
 #: Modules whose execution triggers a hook, and the hook (``module:function``) to call:
 #: the model loader's ``get_model``, the model runners, and vLLM's two ways of handing the
 #: environment to Ray workers (``adapter/ray_env.py``), so the settings reach every node.
@@ -89,7 +95,12 @@ class PostImportFinder:
 
     _hybrid_draft_finder = True
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: ModuleType | None = None,
+    ) -> ModuleSpec | None:
         if fullname not in HOOKS:
             return None
         for finder in sys.meta_path:

@@ -54,7 +54,7 @@ SOURCES = ("env", "file", "default")
 #: file is often a per-host path), so ranks that load alike keep one fingerprint.
 DECISION_SETTINGS = ("mode", "hold_budget", "skip_replaced")
 
-#: What the target's InstantTensor pass may keep in memory for the draft (README, "One pass").
+#: What the target's InstantTensor pass may keep in memory for the draft (docs/design.md).
 DEFAULT_HOLD_BUDGET = 8 << 30
 _UNITS = {
     "": 1,

@@ -285,7 +285,11 @@ def _detail(cls: type, arch: str, kind: str, source: str) -> str:
         rule = rules.rule_for(cls)
         assert rule is not None
         loader = rules.loader_of(cls)
-        shared = "" if loader is cls else f"; {loader.__name__}.load_weights, shared"
+        shared = (
+            f"; {loader.__name__}.load_weights, shared"
+            if loader is not None and loader is not cls
+            else ""
+        )
         return f"{rule.doc} ({where}{shared})"
     if kind == "standalone":
         return f"{OWN_CHECKPOINT.get(arch, 'a checkpoint of its own, loaded whole')} ({where})"

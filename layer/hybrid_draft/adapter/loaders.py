@@ -453,7 +453,7 @@ def _loader_classes() -> dict[str, type]:
             if not selection.files:
                 return iter(())  # type: ignore[return-value]
             device = torch.device(
-                self.load_config.device or get_current_vllm_config().device_config.device
+                self.load_config.device or get_current_vllm_config().device_config.device or "cpu"
             )
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())

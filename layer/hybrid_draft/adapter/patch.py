@@ -88,6 +88,19 @@ PARTS: dict[str, tuple[str, ...]] = {
         "vllm.distributed.parallel_state:get_pp_group",
     ),
     "direct_loads": ("vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",),
+    # The pipeline-parallel guard's InstantTensor read without vLLM's world group.
+    "ungrouped_draft": (
+        f"{_DL}._prepare_weights",
+        f"{_DL}._get_weights_iterator",
+        f"{_DL}.counter_before_loading_weights",
+        "loader.local_expert_ids",
+        "loader._encoder_only_lm_prefixes",
+        "loader._encoder_only_weights_mapper",
+        "vllm.model_executor.model_loader.default_loader:filter_mm_encoder_only_safetensors_files",
+        "vllm.model_executor.model_loader.default_loader:filter_safetensors_files_by_weight_name",
+        "vllm.model_executor.model_loader.ep_weight_filter:should_skip_weight",
+        "vllm.config:get_current_vllm_config_or_none",
+    ),
 }
 #: Parts switched off in this process, with why.
 OFF: dict[str, str] = {}

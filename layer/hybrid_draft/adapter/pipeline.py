@@ -54,7 +54,12 @@ def guard(call: Any, outcome: Any, extra: dict[str, Any]) -> None:
     size = pipeline_size(call.vllm_config)
     if size <= 1:
         return
-    from hybrid_draft.adapter import loaders
+    from hybrid_draft.adapter import loaders, patch
+
+    if "ungrouped_draft" in patch.OFF:  # this vLLM's loader is not one the read knows
+        extra["pipeline_parallel_size"] = size
+        extra["process_group"] = f"vLLM's own (part_skipped: {patch.OFF['ungrouped_draft']})"
+        return
 
     loaders.register(loaders.UNGROUPED)
     base = outcome.load_config if outcome.load_config is not None else call.load_config

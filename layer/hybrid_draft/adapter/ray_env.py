@@ -117,7 +117,7 @@ def on_ray_env(module: Any) -> None:
         params = inspect.signature(original).parameters if callable(original) else {}
     except (TypeError, ValueError):
         params = {}
-    if "additional_vars" not in params:
+    if original is None or "additional_vars" not in params:
         _skip(target, "no callable get_env_vars_to_copy(additional_vars=...): settings stay local")
         return
     module.get_env_vars_to_copy = _wrap_copy(original)
