@@ -314,7 +314,11 @@ def test_default_checkpoint_loads_in_real_vllm_as_target_and_mtp_draft(
     assert healthy.returncode == 0
     again = subprocess.run(cli, check=True, capture_output=True, text=True)
     assert "already there" in again.stdout  # --if-missing leaves a checkpoint alone
-    (out_dir / "model.safetensors.index.json").unlink()  # as if interrupted mid-write
+    # As an interrupted write leaves it: its marker still there, the index (written last) not.
+    from hybrid_draft.tools import synth
+
+    (out_dir / "model.safetensors.index.json").unlink()
+    (out_dir / synth.MARKER).write_text("make-checkpoint is writing here\n")
     redo = subprocess.run(cli, check=True, capture_output=True, text=True)
     assert "already there" not in redo.stdout
 
