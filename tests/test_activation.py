@@ -272,3 +272,33 @@ def test_a_vllm_without_a_private_name_keeps_the_draft_on_its_own_path(
         False,
     )
     assert [c["strategy"] for c in lazy_spy.calls] == ["lazy"]
+
+
+def test_the_layers_load_formats_can_be_named_as_soon_as_vllm_can_load() -> None:
+    """A user's own ``draft_load_config`` may name the layer's formats: vLLM resolves them
+    from the moment its model loader is imported, before any model is decided."""
+    out = python("""
+        from vllm.config import LoadConfig
+        from vllm.model_executor.model_loader import get_model_loader
+        for fmt in ("safetensors_filtered", "instanttensor_selective", "instanttensor_ungrouped"):
+            print(fmt, type(get_model_loader(LoadConfig(load_format=fmt))).__name__)
+    """)
+    assert out.stdout.split() == [
+        "safetensors_filtered",
+        "FilteredSafetensorsLoader",
+        "instanttensor_selective",
+        "SelectiveInstantTensorLoader",
+        "instanttensor_ungrouped",
+        "UngroupedInstantTensorLoader",
+    ]
+    # Switched off, the layer is not there to name.
+    off = python(
+        """
+        from vllm.config import LoadConfig
+        from vllm.model_executor.model_loader import get_model_loader
+        get_model_loader(LoadConfig(load_format="safetensors_filtered"))
+        """,
+        env={"HYBRID_DRAFT_DISABLE": "1"},
+        check=False,
+    )
+    assert off.returncode != 0 and "safetensors_filtered" in off.stderr

@@ -212,11 +212,38 @@ def on_model_loader(module: Any) -> None:
     if unmeasured:
         extra["load_stats"] = "unavailable: " + unmeasured
         OFF.setdefault("one_pass", unmeasured)
+    _register_loaders()
     if "direct_loads" not in OFF:
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
         BaseModelLoader.load_model = wrap_load_model(BaseModelLoader.load_model)  # type: ignore[method-assign]
     emit("hybrid_draft.patched", vllm_version=vllm_version(), target=TARGET, **extra)
+
+
+def _register_loaders() -> None:
+    """Register the layer's load formats with vLLM as soon as it can load: a user's own
+    ``draft_load_config`` may name one before any draft is decided."""
+    from hybrid_draft.adapter import loaders
+
+    for part, formats in (
+        ("draft_loaders", (loaders.FILTERED, loaders.SELECTIVE)),
+        ("ungrouped_draft", (loaders.UNGROUPED,)),
+    ):
+        if part in OFF:
+            continue
+        try:
+            for fmt in formats:
+                loaders.register(fmt)
+        except Exception as exc:  # vLLM without them is vLLM as it was
+            OFF[part] = f"registering its load formats failed: {type(exc).__name__}: {exc}"
+            emit(
+                "hybrid_draft.part_skipped",
+                "warning",
+                vllm_version=vllm_version(),
+                part=part,
+                missing=[],
+                reason=OFF[part],
+            )
 
 
 # --- one load ----------------------------------------------------------------------------
