@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks, as one prepared run on a lent GPU machine (the `device` tool: one H200,
 # no network, its own Python with torch and safetensors but no vLLM). It runs the
-# draft-load benchmark on a generated multi-GB checkpoint, cold, with the strategies a GPU
-# adds: InstantTensor full pass (it_full), selective (InstantTensor with tensor_filter,
-# it_selective) and lazy safetensors followed by a copy to the GPU (lazy_to_gpu), beside the
-# CPU-side reads (full_pass, limit; the product strategies need vLLM). It prints seconds, GB/s and bytes read for
-# each and leaves bench.json and bench.png under $OUT/bench.
+# draft-load benchmark on a generated multi-GB checkpoint in DeepSeek-V3's proportions,
+# cold, with the strategies a GPU adds: InstantTensor's full pass (it_full), selective
+# (InstantTensor with tensor_filter over the draft's own tensors, it_selective), filtered
+# lazy safetensors followed by a copy to the GPU (lazy_to_gpu) and one pass (it_one_pass:
+# the full pass keeping the draft's tensors on the device, then the draft's buffers filled
+# from them, beside the same pass untapped), next to the CPU-side reads (full_pass, limit;
+# the product strategies need vLLM). It prints seconds, GB/s, bytes read and the device's
+# peak memory for each and leaves bench.json and bench.png under $OUT/bench.
 #
 # Prepare here (InstantTensor is not on that machine; the wheel must match its Python 3.12):
 #   echo /.whl/ >> .git/info/exclude
@@ -34,5 +37,5 @@ PY
 
 python3 -m hybrid_draft bench --size "$SIZE" --runs "$RUNS" --out "$OUT/bench" \
     --checkpoint /tmp/hybrid-draft-bench-ckpt \
-    --strategies full_pass,limit,it_full,it_selective,lazy_to_gpu \
+    --strategies full_pass,limit,it_full,it_selective,lazy_to_gpu,it_one_pass \
     --startup-runs 0 --hook-runs 0

@@ -254,7 +254,8 @@ class Recorder:
 @pytest.fixture
 def instanttensor_standin(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
     """Replace vLLM's InstantTensor iterator (CUDA only) by a recorder reading the same
-    tensors lazily; nothing else in vLLM is replaced."""
+    tensors as InstantTensor does (whole, every one a copy: vLLM's eager safetensors
+    iterator); nothing else in vLLM is replaced."""
     import vllm.model_executor.model_loader.default_loader as default_loader
     import vllm.model_executor.model_loader.weight_utils as weight_utils
 
@@ -279,7 +280,8 @@ def instanttensor_standin(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) ->
             return real_instanttensor(
                 hf_weights_files, use_tqdm_on_load, local_expert_ids, **kwargs
             )
-        return real_lazy(hf_weights_files, use_tqdm_on_load, "lazy")
+        # As InstantTensor does: every byte of every shard read, every tensor a copy.
+        return real_lazy(hf_weights_files, use_tqdm_on_load, "eager")
 
     monkeypatch.setattr(default_loader, "instanttensor_weights_iterator", standin)
     monkeypatch.setattr(weight_utils, "instanttensor_weights_iterator", standin)

@@ -10,6 +10,7 @@ import sysconfig
 import textwrap
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -231,3 +232,41 @@ def test_a_fault_in_the_layer_lets_vllm_load_as_asked(events) -> None:
     )
     assert set(patch.DECISION_FIELDS) <= decision.keys() and decision["role"] is None
     assert decision["detail"].startswith("AttributeError:")
+
+
+@pytest.mark.vllm
+def test_a_vllm_without_a_private_name_keeps_the_draft_on_its_own_path(
+    qwen35: Path,
+    events: Any,
+    instanttensor_standin: Any,
+    lazy_spy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every private vLLM name a part of the layer relies on is checked where get_model
+    is wrapped: one missing switches that part off with an event naming it, and a draft
+    that part would have loaded loads on vLLM's own lazy path instead."""
+    import vllm.model_executor.model_loader.ep_weight_filter as ep_weight_filter
+
+    from conftest import engine_config, load_target_and_draft
+    from hybrid_draft.adapter import patch
+
+    monkeypatch.delattr(ep_weight_filter, "should_skip_weight")
+    try:
+        patch.check_parts()
+        (skipped,) = events.named("hybrid_draft.part_skipped")
+        assert skipped["part"] == "draft_loaders"
+        assert skipped["missing"] == [
+            "vllm.model_executor.model_loader.ep_weight_filter:should_skip_weight"
+        ]
+        load_target_and_draft(engine_config(qwen35))
+    finally:
+        monkeypatch.undo()
+        patch.check_parts()
+    assert patch.OFF == {}
+    (draft,) = [e for e in events.decisions() if e["role"] == "draft"]
+    assert (draft["action"], draft["chosen_format"], draft["tensor_filter"]) == (
+        "switched",
+        "safetensors",
+        False,
+    )
+    assert [c["strategy"] for c in lazy_spy.calls] == ["lazy"]

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "auto", "selective", "limit")
+STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "auto", "selective", "limit", "one_pass")
 
 
 def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
@@ -53,15 +53,35 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
         for key in ("bytes_read", "resident_bytes", "peak_rss"):
             assert isinstance(s[key], int) and s[key] >= 0, (name, key)
         assert s["cold"], f"{name}: the page cache could not be emptied before a run"
-    full, limit = result["strategies"]["full_pass"], result["strategies"]["limit"]
+    # The checkpoint is in DeepSeek-V3's proportions: the draft, and what vLLM replaces.
+    real, synthetic = result["proportions"]["real"], result["proportions"]["synthetic"]
+    assert result["proportions"]["model"] == "DeepSeek-V3"
+    assert synthetic["replaced_tensors"] == real["replaced_tensors"] == 3
+    for key in ("draft", "replaced"):
+        assert abs(synthetic[key] / real[key] - 1) < 0.25, (key, synthetic, real)
+    assert ck["own_bytes"] + ck["replaced_bytes"] == ck["draft_bytes"]
+    assert ck["replaced_tensors"] == 3 and ck["own_bytes"] > 0
+    strategies = result["strategies"]
+    full, limit = strategies["full_pass"], strategies["limit"]
     assert full["bytes_read"] >= ck["bytes"]  # cold: every byte came from storage
-    assert ck["draft_bytes"] <= limit["bytes_read"] < full["bytes_read"]
-    # auto is the product's own loader; selective, without CUDA, the path it falls back to.
-    auto, selective = result["strategies"]["auto"], result["strategies"]["selective"]
+    assert ck["own_bytes"] <= limit["bytes_read"] < full["bytes_read"]
+    # auto is the product's own loader; selective, without CUDA, the path it falls back to;
+    # both read the draft's own tensors, not the ones vLLM replaces.
+    auto, selective = strategies["auto"], strategies["selective"]
     assert auto["ran"] == "safetensors_filtered"
     assert selective["ran"] == "auto (CUDA is not available (vLLM platform: cpu))"
-    assert ck["draft_bytes"] <= auto["bytes_read"] < full["bytes_read"]
+    assert ck["own_bytes"] <= auto["bytes_read"] < full["bytes_read"]
+    # Stock lazy reads what the rule keeps, the replaced tensors too.
+    assert strategies["lazy_pruned"]["bytes_read"] >= ck["draft_bytes"]
     assert "(selective ran auto (CUDA is not available" in proc.stdout
+    # One pass: the target's pass (every byte) keeps the draft's tensors; the draft's load
+    # then reads nothing from storage.
+    one = strategies["one_pass"]
+    assert one["held_bytes"] == ck["own_bytes"]
+    assert one["draft_bytes_read"] < ck["own_bytes"] / 4
+    assert len(one["target_seconds"]) == len(one["untapped_target_seconds"]) == 2
+    assert isinstance(one["tap_overhead"], float)
+    assert "one_pass: the draft's load" in proc.stdout
 
     startup = result["startup"]
     assert startup["python_c_pass"]["runs"] == 3

@@ -19,6 +19,7 @@ from conftest import (
     load_target_and_draft,
     rule_keeps,
 )
+from hybrid_draft.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -91,11 +92,23 @@ def test_instanttensor_target_lazy_draft_with_checkpoint_values(
     # The target went through InstantTensor, every shard, exactly once.
     assert instanttensor_standin.files() == [sorted(p.name for p in qwen35.glob("*.safetensors"))]
     # The draft was memory-mapped (lazy safetensors), and only the tensors its class's
-    # checkpoint-weight rule keeps were read, each once, from the shards that hold them.
+    # checkpoint-weight rule keeps were read, each once, from the shards that hold them,
+    # but the embedding and the LM head, which vLLM's proposer replaces with the target's.
     assert not lazy_spy.calls
     read = [name for c in filtered_reads.calls for name in c["tensors"]]
-    assert sorted(read) == sorted(rule_keeps(qwen35, loaded.draft))
+    replaced = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert replaced <= rule_keeps(qwen35, loaded.draft)
+    assert sorted(read) == sorted(rule_keeps(qwen35, loaded.draft) - replaced)
     assert all(c["tensors"] for c in filtered_reads.calls)
+    assert loaded.draft.model.embed_tokens is loaded.target.model.embed_tokens
+    assert loaded.draft.lm_head is loaded.target.lm_head
+    (draft_load,) = [e for e in events.named("hybrid_draft.loaded") if e["role"] == "draft"]
+    sizes = {t.name: t.nbytes for s in read_checkpoint(qwen35) for t in s.tensors}
+    assert draft_load["sources"] == {
+        "storage": {"tensors": len(read), "bytes": sum(sizes[n] for n in read)},
+        "stream": {"tensors": 0, "bytes": 0},
+        "replaced_by_target": {"tensors": 2, "bytes": sum(sizes[n] for n in replaced)},
+    }
     # The target's LoadConfig is the same object, unchanged.
     assert config.load_config is target_load_config
     assert dataclasses.asdict(target_load_config) == before
@@ -292,9 +305,14 @@ def test_mtp_routes_switch_same_checkpoint_drafts(
     (draft,) = events.decisions("draft")
     assert (draft["action"], draft["reason"]) == ("switched", "same_checkpoint")
     assert not lazy_spy.calls
+    # Both routes replace the draft's embedding and LM head with the target's: never read.
+    replaced = {"model.embed_tokens.weight", "lm_head.weight"}
     assert sorted(n for c in filtered_reads.calls for n in c["tensors"]) == sorted(
-        rule_keeps(qwen35, loaded.draft)
+        rule_keeps(qwen35, loaded.draft) - replaced
     )
+    assert loaded.draft.model.embed_tokens is loaded.target.model.embed_tokens
+    assert loaded.draft.lm_head is loaded.target.lm_head
+    assert not events.named("hybrid_draft.replaced_fallback")
     assert len(instanttensor_standin.calls) == 1
 
 

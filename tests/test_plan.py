@@ -24,6 +24,11 @@ DATA = Path(__file__).parent / "data"
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E4M3FN": 1}
 #: The tests run vLLM's CPU platform (conftest): selective falls back for want of CUDA.
 HOST_FALLBACK = "no_cuda"
+#: The draft tensors behind the modules vLLM's MTP proposer replaces with the target's (the
+#: embedding, the LM head, an MTP layer's shared head): the layer's draft paths skip them.
+REPLACED = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight")
+#: The default hold budget (8 GiB): every tiny draft fits, so one pass reads nothing.
+HOLD_BUDGET = 8 << 30
 
 
 def run_plan(
@@ -111,8 +116,12 @@ def expected(
     if unused is None:
         auto, fallback = lazy(list(contents)), "no_rule"
     else:
-        holding = [s for s, t in contents.items() if any(not unused(n) for n in t)]
-        sizes = [b for s in holding for n, b in contents[s].items() if not unused(n)]
+
+        def read(n: str) -> bool:
+            return not unused(n) and not n.endswith(REPLACED)
+
+        holding = [s for s, t in contents.items() if any(read(n) for n in t)]
+        sizes = [b for s in holding for n, b in contents[s].items() if read(n)]
         auto = (
             {
                 "shards": holding,
@@ -120,11 +129,11 @@ def expected(
                 "bytes": sum(sizes),
                 "touched_tensors": len(sizes),
             }
-            if holding
+            if any(not unused(n) for t in contents.values() for n in t)
             else lazy(prune(unused))
         )
-        fallback = host_fallback if holding else "empty_plan"
-    return {
+        fallback = host_fallback if auto["shards"] is holding else "empty_plan"
+    out = {
         "instanttensor": whole(prune(stock)),
         "instanttensor_pruned": whole(prune(unused)),
         "lazy": lazy(prune(stock)),
@@ -132,6 +141,16 @@ def expected(
         "auto": auto,
         "selective": {**auto, "fallback": fallback} if fallback else auto,
     }
+    if unused is not None and auto["shards"] is holding:
+        out["one_pass"] = {
+            "shards": [],
+            "tensors": 0,
+            "bytes": 0,
+            "touched_tensors": 0,
+            "stream": {"tensors": auto["tensors"], "bytes": auto["bytes"]},
+            "hold_budget": HOLD_BUDGET,
+        }
+    return out
 
 
 def rows(result: dict[str, Any]) -> dict[str, Any]:
@@ -228,20 +247,34 @@ def test_plan_full_size_deepseek_v3_layout(
     assert result["checkpoint"] == {"shards": 163, "tensors": 91991, "bytes": layout.nbytes}
     assert len(contents) == 163 and sum(map(len, contents.values())) == 91991
 
-    # From the layout alone: the draft reads the MTP layer and the top-level embedding.
+    # From the layout alone: the draft keeps the MTP layer and the top-level embedding, and
+    # reads them but the embeddings and the shared head, which vLLM replaces.
     draft_names = set(layout.is_mtp) | {"model.embed_tokens.weight"}
+    replaced = {n for n in draft_names if n.endswith(REPLACED)}
+    read = draft_names - replaced
+    sizes = {t.name: t.nbytes for t in layout.tensors}
     draft_shards = sorted(s for s, t in contents.items() if draft_names & t.keys())
-    draft_bytes = sum(t.nbytes for t in layout.tensors if t.name in draft_names)
+    read_shards = sorted(s for s, t in contents.items() if read & t.keys())
+    draft_bytes = sum(sizes[n] for n in draft_names)
     modes = result["modes"]
     assert modes["auto"] == {
-        "shards": draft_shards,
-        "tensors": len(draft_names),
-        "bytes": draft_bytes,
-        "touched_tensors": len(draft_names),
+        "shards": read_shards,
+        "tensors": len(read),
+        "bytes": sum(sizes[n] for n in read),
+        "touched_tensors": len(read),
     }
+    assert len(replaced) == 3 and result["replaced_by_target"] == {
+        "tensors": 3,
+        "bytes": sum(sizes[n] for n in replaced),
+        "modules": ["embed", "head"],
+        "names": sorted(replaced),
+    }
+    # A third of what the draft keeps is what vLLM throws away right after loading it.
+    assert 0.3 < result["replaced_by_target"]["bytes"] / draft_bytes < 0.35
     assert rows(result)["selective"] == {**modes["auto"], "fallback": HOST_FALLBACK}
-    pruned = {k: v for k, v in modes["lazy_pruned"].items() if k != "touched_tensors"}
-    assert pruned == {k: v for k, v in modes["auto"].items() if k != "touched_tensors"}
+    assert modes["lazy_pruned"]["shards"] == draft_shards
+    assert modes["lazy_pruned"]["tensors"] == len(draft_names)
+    assert modes["lazy_pruned"]["bytes"] == draft_bytes
     assert modes["lazy"]["tensors"] == len(draft_names) and len(modes["lazy"]["shards"]) == 163
     assert modes["lazy"]["touched_tensors"] == 91991
     assert modes["instanttensor"] == {
@@ -271,6 +304,7 @@ def test_plan_human_table(qwen35: Path, capsys: pytest.CaptureFixture[str]) -> N
         "lazy_pruned",
         "auto",
         "selective",
+        "one_pass",
     ]
     row = table["selective"]
     assert row.endswith(f"fallback: {HOST_FALLBACK}")
@@ -425,7 +459,10 @@ def test_plan_mimo_without_remote_code(mimo: Path, capsys: pytest.CaptureFixture
             for n in t
             if any(k in n for k in ("mtp_layers", "embed_tokens", "lm_head"))
         }
-        assert result["modes"]["auto"]["tensors"] == len(kept) < 451
+        # The embedding and the LM head are the target's once the draft is loaded.
+        replaced = {"model.embed_tokens.weight", "lm_head.weight"}
+        assert replaced <= kept and result["replaced_by_target"]["names"] == sorted(replaced)
+        assert result["modes"]["auto"]["tensors"] == len(kept - replaced) < 451
 
 
 def test_plan_runs_checkpoint_code_only_when_trusted(mimo: Path, tmp_path: Path) -> None:
@@ -579,7 +616,9 @@ def test_plan_flags_a_deepseek_export_without_its_mtp_layer(
     contents = shard_contents(model)
     top = ("model.embed_tokens.weight",)
     assert rows(result) == expected(contents, spec_rule(model, top), None)
-    assert result["modes"]["auto"]["tensors"] == len(top)
+    # (the one tensor it keeps is the embedding, which the target's replaces: nothing read)
+    assert result["modes"]["auto"]["tensors"] == 0
+    assert result["replaced_by_target"]["names"] == list(top)
     (warning,) = result["warnings"]
     assert warning["code"] == "no_draft_tensors"
     assert "declares 1 MTP layer" in warning["detail"] and top[0] in warning["detail"]
@@ -627,16 +666,20 @@ def test_a_fault_in_the_load_time_check_never_fails_the_load(
     instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hybrid_draft.adapter import checks
+    """A fault while planning the draft is reported on its decision (``plan_error``, and
+    ``warnings`` null: unknown, not "none"), and the draft loads on vLLM's own lazy path."""
+    from hybrid_draft.adapter import draftplan
 
     def broken(call: Any) -> list[str]:
         raise OSError("a shard header that cannot be read")
 
-    monkeypatch.setattr(checks, "_safetensors_files", broken)
+    monkeypatch.setattr(draftplan, "weight_files", broken)
     loaded = load_target_and_draft(engine_config(qwen35))
     assert loaded.draft is not None
     (decision,) = events.decisions("draft")
-    assert decision["warnings"] == [] and decision["reason"] == "same_checkpoint"
+    assert decision["reason"] == "same_checkpoint" and decision["warnings"] is None
+    assert decision["plan_error"] == "OSError: a shard header that cannot be read"
+    assert decision["tensor_filter"] is False
 
 
 # --- one-line errors ----------------------------------------------------------------------

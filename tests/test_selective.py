@@ -17,6 +17,10 @@ from hybrid_draft.adapter.rules import deepseek_mtp_unused
 
 pytestmark = pytest.mark.vllm
 
+#: DeepSeek-V3's draft tensors behind the modules vLLM replaces with the target's: the
+#: top-level and the MTP layer's embedding, and the MTP layer's shared head.
+REPLACED_BY_TARGET = ("embed_tokens.weight", "shared_head.head.weight")
+
 
 def test_selective_falls_back_to_lazy_without_cuda(
     deepseek: Path,
@@ -38,13 +42,15 @@ def test_selective_falls_back_to_lazy_without_cuda(
         "no_cuda",
         "CUDA is not available (vLLM platform: cpu)",
     )
-    # The fallback is the filtered lazy path: the embedding's shard and the MTP's, and in
-    # them only the tensors the DeepSeekMTP rule keeps.
+    # The fallback is the filtered lazy path: only the MTP layer's shard, and in it only
+    # the tensors the DeepSeekMTP rule keeps but the embeddings and the shared head, which
+    # vLLM replaces with the target's (the top-level embedding's shard is never opened).
     assert not lazy_spy.calls and draft["tensor_filter"] is True
-    assert len(filtered_reads.calls) == 2
-    assert sorted(n for c in filtered_reads.calls for n in c["tensors"]) == sorted(
-        rule_keeps(deepseek, loaded.draft)
-    )
+    keeps = rule_keeps(deepseek, loaded.draft)
+    replaced = {n for n in keeps if n.endswith(REPLACED_BY_TARGET)}
+    assert "model.embed_tokens.weight" in replaced and len(replaced) == 3
+    assert [c["file"] for c in filtered_reads.calls] == ["model-00003-of-00003.safetensors"]
+    assert sorted(n for c in filtered_reads.calls for n in c["tensors"]) == sorted(keeps - replaced)
 
 
 def test_selective_falls_back_for_a_draft_class_without_a_rule(
@@ -88,7 +94,7 @@ def test_an_empty_plan_is_a_fallback_reason(deepseek: Path, ckpt_root: Path) -> 
     """A draft checkpoint holding nothing the draft class loads (no MTP layer, no embedding)."""
     from vllm.config import set_current_vllm_config
 
-    from hybrid_draft.adapter import calls, selective
+    from hybrid_draft.adapter import calls, draftplan
     from hybrid_draft.tools import synth
 
     layout = synth.deepseek_v3("tiny", moe=False)
@@ -104,9 +110,12 @@ def test_an_empty_plan_is_a_fallback_reason(deepseek: Path, ckpt_root: Path) -> 
     config = engine_config(deepseek, speculative_config=spec)
     draft = config.speculative_config.draft_model_config
     with set_current_vllm_config(config):
-        blocker, plan = selective.preflight(calls.Call.resolve(config, draft))
-    assert blocker == ("empty_plan", "the DeepSeekMTP rule keeps none of the checkpoint's tensors")
-    assert plan is None
+        plan = draftplan.for_call(calls.Call.resolve(config, draft))
+    assert plan is not None and not plan.kept
+    assert plan.selective_blocker == (
+        "empty_plan",
+        "the DeepSeekMTP rule keeps none of the checkpoint's tensors",
+    )
 
 
 class SafeOpenRecorder:
@@ -182,7 +191,12 @@ def test_selective_loader_streams_exactly_the_planned_tensors(
 
     shards = checkpoint.read_checkpoint(deepseek)
     config = loaded.config.speculative_config.draft_model_config.hf_config
-    planned = [t.name for s in shards for t in s.tensors if not deepseek_mtp_unused(config, t.name)]
+    planned = [
+        t.name
+        for s in shards
+        for t in s.tensors
+        if not deepseek_mtp_unused(config, t.name) and not t.name.endswith(REPLACED_BY_TARGET)
+    ]
     (call,) = recorder.calls
     assert sorted(call["tensor_filter"]) == sorted(planned)
     assert len(set(call["tensor_filter"])) == len(call["tensor_filter"])
@@ -213,6 +227,8 @@ def test_selective_loader_streams_exactly_the_planned_tensors(
         "explicit_draft_loader",
         "instanttensor_selective",
     )
+    assert draft["tensor_filter"] is True
+    assert draft["sources"]["replaced_by_target"]["tensors"] == 3
 
 
 def test_the_fallback_names_no_platform_when_vllm_detects_none(tmp_path: Path) -> None:

@@ -104,7 +104,8 @@ def test_bad_environment_values(
         (
             '[draft]\nmode = "auto"\nloader = "x"\n',
             3,
-            "unknown key 'draft.loader'; accepted keys: draft.mode, log.level, log.events_file",
+            "unknown key 'draft.loader'; accepted keys: draft.mode, draft.hold_budget, "
+            "draft.skip_replaced, log.level, log.events_file",
         ),
         ('[draft]\nmode = "auto"\n\n[cache]\nsize = 1\n', 4, "unknown key 'cache'"),
         ('[log]\nevents_file = ""\n', 2, "non-empty path"),
@@ -147,12 +148,16 @@ def test_shipped_config_documents_every_key_with_its_default() -> None:
     text = shipped.read_text()
     data = tomllib.loads(text)
     s = settings.load({"HYBRID_DRAFT_CONFIG": str(shipped)})
-    assert data == {"draft": {"mode": "auto"}, "log": {"level": "info"}}
-    assert (s.mode.value, s.level.value, s.events_file.value) == ("auto", "info", None)
+    assert data == {
+        "draft": {"mode": "auto", "hold_budget": "8GiB", "skip_replaced": True},
+        "log": {"level": "info"},
+    }
+    assert {name: v.value for name, v in s.values().items()} == {
+        spec.name: spec.default for spec in settings.KEYS
+    }
+    for spec in settings.KEYS:
+        assert spec.dotted.split(".")[1] in text and spec.env in text
     for key in (
-        "mode",
-        "level",
-        "events_file",
         "INSTANTTENSOR_DRAFT_LOADER",
         "HYBRID_DRAFT_LOG_LEVEL",
         "HYBRID_DRAFT_EVENTS_FILE",

@@ -16,7 +16,13 @@ from __future__ import annotations
 import sys
 
 #: Modules whose execution triggers a hook, and the hook (``module:function``) to call.
-HOOKS = {"vllm.model_executor.model_loader": "hybrid_draft.adapter.patch:on_model_loader"}
+HOOKS = {
+    "vllm.model_executor.model_loader": "hybrid_draft.adapter.patch:on_model_loader",
+    # The model runners' load_model: the scope a one-pass hold lives in.
+    "vllm.v1.worker.gpu_model_runner": "hybrid_draft.adapter.hold:on_runner",
+    "vllm.v1.worker.cpu_model_runner": "hybrid_draft.adapter.hold:on_runner",
+    "vllm.v1.worker.gpu.model_runner": "hybrid_draft.adapter.hold:on_runner",
+}
 
 #: Set this variable to a non-empty value other than 0 to keep the layer out of a process.
 DISABLE_ENV = "HYBRID_DRAFT_DISABLE"
@@ -24,7 +30,7 @@ DISABLE_ENV = "HYBRID_DRAFT_DISABLE"
 _MARK = "_hybrid_draft_finder"
 
 
-def _report(stage: str, exc: BaseException) -> None:
+def _say_skipped(stage: str, exc: BaseException) -> None:
     """Say on stderr that the layer failed, without ever raising (stdlib JSON fallback)."""
     try:
         from hybrid_draft.events import emit
@@ -70,7 +76,7 @@ def _run_hook(fullname: str, module: object) -> None:
     except BaseException as exc:  # never break the import of vLLM
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        _report(f"hook for {fullname}", exc)
+        _say_skipped(f"hook for {fullname}", exc)
 
 
 class PostImportFinder:
@@ -127,7 +133,7 @@ def install() -> None:
     except BaseException as exc:  # a .pth line must never break start-up
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        _report("install", exc)
+        _say_skipped("install", exc)
 
 
 install()

@@ -1,48 +1,54 @@
-"""``hybrid-draft plan``: what a same-checkpoint MTP draft reads under each loader, no weights read.
+"""The draft plan: what one draft load reads, from where, worked out once. Pure: no vLLM.
 
-Given the shard headers and the draft's checkpoint-weight rule, each row follows from what
-vLLM 0.33's loaders and this layer's do with that checkpoint on this host:
+A :class:`DraftPlan` holds a checkpoint's parsed shard headers and the draft's rules as
+plain values (the adapter builds it from what vLLM resolves at load time; ``hybrid-draft
+plan`` from a model directory). Everything downstream reads it: the decision event, the
+loaders, the one-pass hold, the events and ``plan``/``bench``. No header is parsed twice.
 
-- ``instanttensor``: stock vLLM's second pass (no hybrid-draft): InstantTensor reads every
-  tensor of every shard it opens; shards are dropped only by a rule vLLM itself ships;
-- ``instanttensor_pruned``: mode ``instanttensor`` under hybrid-draft: the same pass over
-  the shards the draft's rule leaves (vLLM's or this layer's);
-- ``lazy``: stock vLLM lazy safetensors (no hybrid-draft). It opens the same shards as
-  stock InstantTensor and copies out only the tensors the draft keeps, but vLLM's iterator
-  calls ``get_tensor`` on every tensor, which maps it and faults in its first pages: the
-  kernel reads up to about two readahead windows of each one the draft throws away
-  (measured with safetensors 0.8: 16 MiB of a 32 MiB tensor at 8 MiB readahead);
-- ``lazy_pruned``: the same iterator over the rule-pruned shards: a user's own lazy
-  ``draft_load_config`` under hybrid-draft (the layer keeps that loader, installs the rule);
-- ``auto``: modes ``auto`` and ``safetensors`` (and the selective fallback). With a rule,
-  lazy safetensors over the shards that hold a kept tensor, skipping every rejected tensor
-  before it is touched (the ``safetensors_filtered`` loader, ``tensor_filter: true``); with
-  no rule, stock lazy safetensors over every shard; a rule that keeps nothing leaves vLLM's
-  own lazy path (which then fails the load: see ``no_draft_tensors``);
-- ``selective``: mode ``selective``, InstantTensor streaming only the kept tensors. Where it
-  cannot run here (no rule, a rule that keeps nothing, no CUDA, an InstantTensor without
-  ``tensor_filter``) the row is the ``auto`` row plus the decision's ``fallback`` code and
-  ``detail``: what the draft load would really do.
+Which tensors a draft keeps comes from its class's checkpoint-weight rule. Of those, the
+ones behind the modules vLLM's proposer replaces with the target's right after the draft
+loads (:func:`shared_kind`: the input embedding; the LM head and each MTP layer's
+``shared_head.head``) are never read on this layer's draft paths: ``replaced``.
 
-Per row: ``shards`` (the files the mode opens), ``tensors`` and ``bytes`` (the tensors it
-reads whole: every tensor of those shards for InstantTensor, the draft's kept tensors for
-the others; null where the class has no rule, since only its ``load_weights`` knows what
-it keeps) and ``touched_tensors`` (tensors the loader opens at all).
+The rows of :meth:`DraftPlan.modes` follow from what vLLM 0.33's loaders and this layer's
+do with the checkpoint:
 
-``warnings`` (:data:`WARNINGS`) name what would make the draft load fail or waste reads.
+- ``instanttensor``: stock vLLM's second pass (no hybrid-draft): every tensor of every
+  shard it opens; shards are dropped only by a rule vLLM itself ships;
+- ``instanttensor_pruned``: mode ``instanttensor``: the same pass over the shards the
+  draft's rule leaves (vLLM's or this layer's);
+- ``lazy``: stock vLLM lazy safetensors: the same shards as stock InstantTensor, copying
+  out what the draft keeps; vLLM's iterator calls ``get_tensor`` on every tensor, which
+  maps it and faults in its first pages (up to about two readahead windows of each);
+- ``lazy_pruned``: the same iterator over the rule-pruned shards (a user's own lazy
+  ``draft_load_config``);
+- ``auto``: modes ``auto`` and ``safetensors`` (and the selective fallback): lazy
+  safetensors over the shards holding a kept tensor, taking only the kept tensors that
+  vLLM does not replace (``safetensors_filtered``); with no rule, stock lazy safetensors;
+- ``selective``: InstantTensor streaming the same tensors; where it cannot run here the
+  ``auto`` row plus the ``fallback`` code and ``detail``;
+- ``one_pass``: the target's InstantTensor pass keeps the draft's tensors for it, up to
+  the hold budget; the row is what the draft still reads from storage.
+
+Per row: ``shards`` (files opened), ``tensors`` and ``bytes`` (read whole; null where the
+class has no rule) and ``touched_tensors`` (tensors the loader opens at all).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal
 
 from hybrid_draft import policy
-from hybrid_draft.checkpoint import Shard
+from hybrid_draft.checkpoint import Selection, Shard, TensorInfo
 
 Rule = Callable[[str], bool]
-MODES = ("instanttensor", "instanttensor_pruned", "lazy", "lazy_pruned", "auto", "selective")
+Blocker = tuple[str, str]  # (stable code, detail)
+SharedKind = Literal["embed", "head"]
+#: The modules vLLM's MTP proposer replaces with the target's, and when (``adapter/sharing``).
+SHARED_KINDS: tuple[SharedKind, ...] = ("embed", "head")
 
 #: Warning codes (stable) and what each means; ``detail`` says it for the checkpoint at hand.
 WARNINGS = {
@@ -71,6 +77,25 @@ def is_own_tensor(name: str) -> bool:
     return any(part.isdigit() or "mtp" in part.lower() for part in name.split("."))
 
 
+def shared_kind(name: str) -> SharedKind | None:
+    """The replaced module a checkpoint tensor feeds, by name: ``embed`` or ``head``.
+
+    Every MTP ``load_weights`` vLLM 0.33 ships puts a tensor whose module is
+    ``embed_tokens`` or ``word_embeddings`` (top-level or an MTP layer's copy) into the
+    draft's ``model.embed_tokens``, and an ``lm_head`` or ``shared_head.head`` tensor into
+    its ``lm_head`` or an MTP layer's ``shared_head.head``: the modules the proposer swaps
+    for the target's. The rule tests prove it class by class; at load time the loaders
+    check it against the built model and read whatever the swap did not replace.
+    """
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    if module in ("embed_tokens", "word_embeddings"):
+        return "embed"
+    if module == "lm_head" or ".shared_head.head." in f".{name}":
+        return "head"
+    return None
+
+
 @dataclass(frozen=True)
 class Reads:
     shards: list[str]
@@ -82,6 +107,8 @@ class Reads:
     #: Why a mode falls back to another row here (a ``selective_fallback`` code), and how.
     fallback: str | None = None
     detail: str | None = None
+    #: Further keys of the row (``one_pass``: what the target's stream carries).
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -89,14 +116,16 @@ class Reads:
             "tensors": self.tensors,
             "bytes": self.nbytes,
             "touched_tensors": self.touched_tensors,
+            **self.extra,
         }
         if self.fallback:
             out.update(fallback=self.fallback, detail=self.detail)
         return out
 
 
-def prune(shards: list[Shard], is_unused: Rule | None) -> list[Shard]:
+def prune(shards: Iterable[Shard], is_unused: Rule | None) -> list[Shard]:
     """vLLM's ``filter_safetensors_files_by_weight_name``: drop all-unused shards (never all)."""
+    shards = list(shards)
     if is_unused is None:
         return shards
     kept = [s for s in shards if not all(is_unused(t.name) for t in s.tensors)]
@@ -117,19 +146,16 @@ def _lazy(shards: list[Shard], is_unused: Rule | None) -> Reads:
     return Reads([s.name for s in shards], len(kept), sum(t.nbytes for t in kept), touched)
 
 
-def _selected(shards: list[Shard], is_unused: Rule) -> Reads:
-    """Only the kept tensors, from only the shards that hold one (the filtered loaders)."""
-    names, count, nbytes = [], 0, 0
-    for s in shards:
-        kept = [t for t in s.tensors if not is_unused(t.name)]
-        if kept:
-            names.append(s.name)
-            count += len(kept)
-            nbytes += sum(t.nbytes for t in kept)
-    return Reads(names, count, nbytes, count)
+def _reads(selection: Selection) -> Reads:
+    count = len(selection.names)
+    return Reads([_base(f) for f in selection.files], count, selection.nbytes, count)
 
 
-def evaluated(shards: list[Shard], rule: Rule | None) -> Rule | None:
+def _base(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+def evaluated(shards: Iterable[Shard], rule: Rule | None) -> Rule | None:
     """The rule as a set lookup: evaluated once per name, however many rows ask."""
     if rule is None or isinstance(getattr(rule, "__self__", None), set):
         return rule  # none, or evaluated already
@@ -137,152 +163,256 @@ def evaluated(shards: list[Shard], rule: Rule | None) -> Rule | None:
     return unused.__contains__
 
 
-def modes(
-    shards: list[Shard],
-    is_unused: Rule | None,
-    vllm_rule: Rule | None,
-    selective_blocker: tuple[str, str] | None = None,
-    draft_class: str = "draft",
-) -> dict[str, Reads]:
-    """Reads per row (see the module doc).
+def select(shards: Iterable[Shard], keep: Callable[[TensorInfo], bool]) -> Selection:
+    """The tensors ``keep`` accepts, per shard in file order (shards holding none left out)."""
+    files: dict[str, list[str]] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    nbytes = 0
+    for shard in shards:
+        path = str(shard.path)
+        for t in shard.tensors:
+            if keep(t):
+                files.setdefault(path, []).append(t.name)
+                ranges.setdefault(path, []).append((t.start, t.end))
+                nbytes += t.nbytes
+    return Selection(files, nbytes, ranges)
 
-    ``is_unused``: the draft's effective rule (None: it has none); ``vllm_rule``: the rule
-    stock vLLM applies (None unless the class ships one); ``selective_blocker``: why
-    selective cannot run on this host, as ``(fallback code, detail)`` (None: it can, or the
-    caller asks for the selective row as such). The checkpoint's own blockers (no rule, a
-    rule that keeps nothing) come first, worded as the selective preflight words them.
+
+def counts(tensors: Iterable[TensorInfo]) -> dict[str, int]:
+    """``{"tensors": n, "bytes": b}``: the shape of every count in the events."""
+    items = list(tensors)
+    return {"tensors": len(items), "bytes": sum(t.nbytes for t in items)}
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """One draft's load, worked out once from the shard headers and the draft's rules.
+
+    ``rule`` is the draft's effective checkpoint-weight rule (None: it has none) as the
+    built class will answer it; ``vllm_rule`` the rule stock vLLM applies (None unless the
+    class ships one); ``shared`` the modules vLLM will replace with the target's right
+    after this draft loads; ``host_blocker`` why selective streaming cannot run on this
+    host; ``notes`` what reading the config found, as ``(code, detail)``.
     """
-    same = vllm_rule is is_unused
-    is_unused = evaluated(shards, is_unused)
-    vllm_rule = is_unused if same else evaluated(shards, vllm_rule)
 
-    stock = prune(shards, vllm_rule)
-    pruned = prune(shards, is_unused)
-    if is_unused is None:
-        auto = _lazy(shards, None)
-        blocker = (
-            "no_rule",
-            f"{draft_class} has no checkpoint-weight rule to plan its tensors with",
+    shards: tuple[Shard, ...]
+    draft_class: str | None = None
+    rule_source: str = "none"
+    rule: Rule | None = None
+    vllm_rule: Rule | None = None
+    shared: frozenset[str] = frozenset()
+    mtp_layers: int | None = None
+    notes: tuple[tuple[str, str], ...] = ()
+    host_blocker: Blocker | None = None
+
+    @cached_property
+    def is_unused(self) -> Rule | None:
+        return evaluated(self.shards, self.rule)
+
+    @cached_property
+    def vllm_unused(self) -> Rule | None:
+        return (
+            self.is_unused
+            if self.vllm_rule is self.rule
+            else (evaluated(self.shards, self.vllm_rule))
         )
-    else:
-        selected = _selected(shards, is_unused)
-        auto = selected if selected.shards else _lazy(pruned, is_unused)
-        blocker = (
-            None
-            if selected.shards
-            else ("empty_plan", f"the {draft_class} rule keeps none of the checkpoint's tensors")
-        )
-    blocker = blocker or selective_blocker
-    if blocker:
-        selective = Reads(
-            auto.shards,
-            auto.tensors,
-            auto.nbytes,
-            auto.touched_tensors,
-            fallback=blocker[0],
-            detail=blocker[1],
-        )
-    else:
-        selective = auto
-    return {
-        "instanttensor": _whole(stock),
-        "instanttensor_pruned": _whole(pruned),
-        "lazy": _lazy(stock, is_unused),
-        "lazy_pruned": _lazy(pruned, is_unused),
-        "auto": auto,
-        "selective": selective,
-    }
 
+    @cached_property
+    def kept(self) -> tuple[TensorInfo, ...]:
+        """Every tensor the rule keeps, in file order (empty without a rule)."""
+        unused = self.is_unused
+        if unused is None:
+            return ()
+        return tuple(t for s in self.shards for t in s.tensors if not unused(t.name))
 
-def warnings(
-    shards: list[Shard],
-    draft_class: str | None,
-    is_unused: Rule | None,
-    mtp_layers: int | None,
-    notes: Iterable[tuple[str, str]] = (),
-) -> list[dict[str, str]]:
-    """What would make this draft's load fail or waste reads (codes: :data:`WARNINGS`).
-
-    ``notes``: findings of the caller's own (e.g. from reading the config), kept first.
-    Computed from names alone; the same function backs the load-time decision event.
-    """
-    out = [{"code": code, "detail": detail} for code, detail in notes]
-    if any(w["code"] == "draft_class_unavailable" for w in out):
+    @cached_property
+    def replaced(self) -> dict[str, SharedKind]:
+        """The kept tensors behind a module vLLM replaces, and which module."""
+        out: dict[str, SharedKind] = {}
+        for t in self.kept:
+            kind = shared_kind(t.name)
+            if kind is not None and kind in self.shared:
+                out[t.name] = kind
         return out
-    tensors = sum(len(s.tensors) for s in shards)
-    if is_unused is None:
-        out.append(
-            {
-                "code": "no_rule",
-                "detail": (
-                    f"{draft_class} has no checkpoint-weight rule: every mode opens all "
-                    f"{len(shards)} shards, lazy ones touch all {tensors:,} tensors, and selective "
-                    "falls back"
-                ),
-            }
+
+    def selection(
+        self,
+        skip: Callable[[str], bool] | None = None,
+        replaced: Iterable[str] | None = None,
+    ) -> Selection:
+        """What the draft reads: the kept tensors but ``replaced`` (default: all the
+        replaced ones) and any ``skip`` says no to (another rank's experts, held ones)."""
+        dropped = set(self.replaced if replaced is None else replaced)
+        wanted = {t.name for t in self.kept} - dropped
+        return select(
+            self.shards, lambda t: t.name in wanted and not (skip is not None and skip(t.name))
         )
+
+    @cached_property
+    def selective_blocker(self) -> Blocker | None:
+        """Why mode ``selective`` falls back for this draft here (None: it streams)."""
+        name = self.draft_class or "draft"
+        if self.is_unused is None:
+            return ("no_rule", f"{name} has no checkpoint-weight rule to plan its tensors with")
+        if not self.kept:
+            return ("empty_plan", f"the {name} rule keeps none of the checkpoint's tensors")
+        return self.host_blocker
+
+    @cached_property
+    def all_tensors(self) -> int:
+        return sum(len(s.tensors) for s in self.shards)
+
+    @cached_property
+    def all_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def sources(self, held: Iterable[str] = ()) -> dict[str, dict[str, int]]:
+        """Where each kept tensor comes from: ``storage``, ``stream`` (``held`` from the
+        target's pass) or ``replaced_by_target`` (never read)."""
+        held = set(held)
+        by_name = {t.name: t for t in self.kept}
+        stream = [by_name[n] for n in held if n in by_name and n not in self.replaced]
+        replaced = [by_name[n] for n in self.replaced]
+        storage = [t for t in self.kept if t.name not in held and t.name not in self.replaced]
+        return {
+            "storage": counts(storage),
+            "stream": counts(stream),
+            "replaced_by_target": counts(replaced),
+        }
+
+    def holdable(self, budget: int) -> list[TensorInfo]:
+        """The draft's tensors the target's pass keeps within ``budget`` bytes, in file order
+        (the rest is read by the filtered path)."""
+        out, total = [], 0
+        for t in self.kept:
+            if t.name in self.replaced:
+                continue
+            if total + t.nbytes <= budget:
+                out.append(t)
+                total += t.nbytes
         return out
-    kept = [t.name for s in shards for t in s.tensors if not is_unused(t.name)]
-    if not any(is_own_tensor(n) for n in kept):
-        declared = (
-            "declares no MTP layers"
-            if not mtp_layers
-            else f"declares {mtp_layers} MTP layer{'s' if mtp_layers != 1 else ''}"
+
+    def modes(self, hold_budget: int | None = None) -> dict[str, Reads]:
+        """Reads per row (see the module doc); ``one_pass`` when a hold budget is given."""
+        unused = self.is_unused
+        stock = prune(self.shards, self.vllm_unused)
+        pruned = prune(self.shards, unused)
+        if unused is None:
+            auto = _lazy(list(self.shards), None)
+        elif self.kept:
+            auto = _reads(self.selection())
+        else:  # a rule that keeps nothing: vLLM's own lazy path (which then fails)
+            auto = _lazy(pruned, unused)
+        blocker = self.selective_blocker
+        selective = (
+            Reads(auto.shards, auto.tensors, auto.nbytes, auto.touched_tensors, *blocker)
+            if blocker
+            else auto
         )
-        shared = (
-            f", only the {len(kept)} it shares with the target ({', '.join(kept[:3])}"
-            f"{', ...' if len(kept) > 3 else ''})"
-            if kept
-            else ""
-        )
-        out.append(
-            {
-                "code": "no_draft_tensors",
-                "detail": (
-                    f"the config {declared} but the {len(shards)} shards hold none of "
-                    f"{draft_class}'s own tensors{shared}: vLLM cannot load this draft"
-                ),
-            }
-        )
-    return out
+        rows = {
+            "instanttensor": _whole(stock),
+            "instanttensor_pruned": _whole(pruned),
+            "lazy": _lazy(stock, unused),
+            "lazy_pruned": _lazy(pruned, unused),
+            "auto": auto,
+            "selective": selective,
+        }
+        if hold_budget is not None and unused is not None and self.kept:
+            held = {t.name for t in self.holdable(hold_budget)}
+            rest = _reads(self.selection(skip=held.__contains__))
+            stream = counts(t for t in self.kept if t.name in held)
+            rows["one_pass"] = Reads(
+                rest.shards,
+                rest.tensors,
+                rest.nbytes,
+                rest.touched_tensors,
+                extra={"stream": stream, "hold_budget": hold_budget},
+            )
+        return rows
+
+    def warnings(self) -> list[dict[str, str]]:
+        """What would make this draft's load fail or waste reads (codes: :data:`WARNINGS`);
+        the config's own findings (``notes``) first."""
+        out = [{"code": code, "detail": detail} for code, detail in self.notes]
+        if any(w["code"] == "draft_class_unavailable" for w in out):
+            return out
+        if self.is_unused is None:
+            out.append(
+                {
+                    "code": "no_rule",
+                    "detail": (
+                        f"{self.draft_class} has no checkpoint-weight rule: every mode opens "
+                        f"all {len(self.shards)} shards, lazy ones touch all "
+                        f"{self.all_tensors:,} tensors, and selective falls back"
+                    ),
+                }
+            )
+            return out
+        kept = [t.name for t in self.kept]
+        if not any(is_own_tensor(n) for n in kept):
+            layers = self.mtp_layers
+            declared = (
+                "declares no MTP layers"
+                if not layers
+                else f"declares {layers} MTP layer{'s' if layers != 1 else ''}"
+            )
+            shared = (
+                f", only the {len(kept)} it shares with the target ({', '.join(kept[:3])}"
+                f"{', ...' if len(kept) > 3 else ''})"
+                if kept
+                else ""
+            )
+            out.append(
+                {
+                    "code": "no_draft_tensors",
+                    "detail": (
+                        f"the config {declared} but the {len(self.shards)} shards hold none "
+                        f"of {self.draft_class}'s own tensors{shared}: vLLM cannot load this "
+                        "draft"
+                    ),
+                }
+            )
+        return out
+
+    def report(self, model_dir: str, hold_budget: int | None = None) -> dict[str, Any]:
+        """The JSON object of ``plan --json``."""
+        decision = auto_decision()
+        auto: dict[str, Any] = {
+            "action": decision.action,
+            "reason": decision.reason,
+            "chosen_format": decision.chosen_format,
+        }
+        if decision.chosen_format == policy.SAFETENSORS:
+            auto["tensor_filter"] = self.rule_source != "none"
+        by_name = {t.name: t for t in self.kept}
+        return {
+            "model_dir": model_dir,
+            "draft_class": self.draft_class,
+            "rule_source": self.rule_source,
+            "checkpoint": {
+                "shards": len(self.shards),
+                "tensors": self.all_tensors,
+                "bytes": self.all_bytes,
+            },
+            "auto": auto,
+            "replaced_by_target": {
+                **counts(by_name[n] for n in self.replaced),
+                "modules": sorted(set(self.replaced.values())),
+                "names": sorted(self.replaced),
+            },
+            "modes": {name: r.as_dict() for name, r in self.modes(hold_budget).items()},
+            "warnings": self.warnings(),
+        }
 
 
 def auto_decision() -> policy.Decision:
     """What mode ``auto`` decides for a same-checkpoint draft of an InstantTensor target."""
     same = policy.Checkpoint(model=".")
     request = policy.Request(
-        role="draft", requested_format=policy.INSTANTTENSOR, method="mtp", model=same, target=same
+        role="draft",
+        requested_format=policy.INSTANTTENSOR,
+        method="mtp",
+        model=same,
+        target=same,
     )
     return policy.decide(request, "auto")
-
-
-def report(
-    model_dir: str,
-    draft_class: str | None,
-    rule_source: str,
-    shards: list[Shard],
-    reads: dict[str, Reads],
-    found: list[dict[str, str]] | None = None,
-) -> dict[str, Any]:
-    """The JSON object of ``plan --json`` (CONTRACT.md)."""
-    decision = auto_decision()
-    auto = {
-        "action": decision.action,
-        "reason": decision.reason,
-        "chosen_format": decision.chosen_format,
-    }
-    if decision.chosen_format == policy.SAFETENSORS:
-        auto["tensor_filter"] = rule_source != "none"
-    return {
-        "model_dir": model_dir,
-        "draft_class": draft_class,
-        "rule_source": rule_source,
-        "checkpoint": {
-            "shards": len(shards),
-            "tensors": sum(len(s.tensors) for s in shards),
-            "bytes": sum(s.nbytes for s in shards),
-        },
-        "auto": auto,
-        "modes": {name: r.as_dict() for name, r in reads.items()},
-        "warnings": list(found or []),
-    }

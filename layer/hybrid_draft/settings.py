@@ -28,6 +28,28 @@ ENV_CONFIG = "HYBRID_DRAFT_CONFIG"
 ENV_MODE = "INSTANTTENSOR_DRAFT_LOADER"
 ENV_LEVEL = "HYBRID_DRAFT_LOG_LEVEL"
 ENV_EVENTS_FILE = "HYBRID_DRAFT_EVENTS_FILE"
+ENV_HOLD_BUDGET = "HYBRID_DRAFT_HOLD_BUDGET"
+ENV_SKIP_REPLACED = "HYBRID_DRAFT_SKIP_REPLACED"
+
+#: What the target's InstantTensor pass may keep in memory for the draft (README, "One pass").
+DEFAULT_HOLD_BUDGET = 8 << 30
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 1000,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 1000**2,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 1000**3,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 1000**4,
+}
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 Source = Literal["env", "file", "default"]
 
@@ -55,8 +77,14 @@ class Settings:
     mode: Value
     level: Value
     events_file: Value
+    hold_budget: Value
+    skip_replaced: Value
     config_path: str
     config_exists: bool
+
+    def values(self) -> dict[str, Value]:
+        """Every setting by name, in the order of the config file."""
+        return {key.name: getattr(self, key.name) for key in KEYS}
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape ``hybrid-draft config --json`` prints."""
@@ -64,22 +92,84 @@ class Settings:
             "config_file": {"path": self.config_path, "exists": self.config_exists},
             "settings": {
                 name: {"value": v.value, "source": v.source, "origin": v.origin}
-                for name, v in (
-                    ("mode", self.mode),
-                    ("level", self.level),
-                    ("events_file", self.events_file),
-                )
+                for name, v in self.values().items()
             },
         }
 
 
-# (table, key) -> (setting name, environment variable, default, accepted values or None)
-_KEYS: dict[tuple[str, str], tuple[str, str, Any, tuple[str, ...] | None]] = {
-    ("draft", "mode"): ("mode", ENV_MODE, "auto", MODES),
-    ("log", "level"): ("level", ENV_LEVEL, "info", LEVELS),
-    ("log", "events_file"): ("events_file", ENV_EVENTS_FILE, None, None),
-}
-_ACCEPTED_KEYS = ", ".join(f"{t}.{k}" for t, k in _KEYS)
+@dataclass(frozen=True)
+class Key:
+    """One setting: its TOML key, its variable, its default and what it accepts."""
+
+    name: str
+    table: str
+    key: str
+    env: str
+    default: Any
+    kind: Literal["choice", "path", "size", "bool"]
+    choices: tuple[str, ...] = ()
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.table}.{self.key}"
+
+    def accepted(self) -> str:
+        return {
+            "choice": f"accepted values: {', '.join(self.choices)}",
+            "path": "accepted: a non-empty path",
+            "size": "accepted: a byte count (an integer, or a number with a unit such as "
+            "512MiB, 8GiB, 2GB; 0 turns it off)",
+            "bool": f"accepted values: {', '.join(_TRUE + _FALSE)}",
+        }[self.kind]
+
+    def parse(self, raw: Any, source: str) -> Any:
+        """The value of ``raw`` (a variable's text, or a TOML value) or a ConfigError."""
+        what = f"{self.dotted!r}" if source != self.env else self.name
+
+        def bad() -> ConfigError:
+            shown = raw if isinstance(raw, str) else f"{type(raw).__name__} {raw!r}"
+            return ConfigError(source, f"{shown!r} is not a valid {what}; {self.accepted()}")
+
+        if self.kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
+                return raw.strip().lower() in _TRUE
+            raise bad()
+        if self.kind == "size":
+            if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+                return raw
+            m = (
+                re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", raw)
+                if isinstance(raw, str)
+                else None
+            )
+            if m is None or m.group(2).lower() not in _UNITS:
+                raise bad()
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if not isinstance(raw, str):
+            kind = (
+                f"a string naming one of {', '.join(self.choices)}" if self.choices else ("a path")
+            )
+            raise ConfigError(source, f"{what} must be {kind}, got {type(raw).__name__} {raw!r}")
+        if self.kind == "choice":
+            return _choice(raw, self.choices, source, what)
+        if raw == "":
+            raise ConfigError(
+                source, f"{what} must be a non-empty path (leave the key out for no events file)"
+            )
+        return raw
+
+
+KEYS = (
+    Key("mode", "draft", "mode", ENV_MODE, "auto", "choice", MODES),
+    Key("hold_budget", "draft", "hold_budget", ENV_HOLD_BUDGET, DEFAULT_HOLD_BUDGET, "size"),
+    Key("skip_replaced", "draft", "skip_replaced", ENV_SKIP_REPLACED, True, "bool"),
+    Key("level", "log", "level", ENV_LEVEL, "info", "choice", LEVELS),
+    Key("events_file", "log", "events_file", ENV_EVENTS_FILE, None, "path"),
+)
+_KEYS = {(k.table, k.key): k for k in KEYS}
+_ACCEPTED_KEYS = ", ".join(k.dotted for k in KEYS)
 
 
 def config_path(environ: Mapping[str, str] | None = None) -> str:
@@ -163,23 +253,8 @@ def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]
                 raise ConfigError(
                     where, f"unknown key '{table}.{key}'; accepted keys: {_ACCEPTED_KEYS}"
                 )
-            name, _, _, accepted = _KEYS[(table, key)]
-            if not isinstance(raw, str):
-                kind = "a string naming one of " + ", ".join(accepted) if accepted else "a path"
-                raise ConfigError(
-                    where, f"'{table}.{key}' must be {kind}, got {type(raw).__name__} {raw!r}"
-                )
-            if accepted:
-                value: Any = _choice(raw, accepted, where, f"'{table}.{key}'")
-            elif raw == "":
-                raise ConfigError(
-                    where,
-                    f"'{table}.{key}' must be a non-empty path "
-                    "(leave the key out for no events file)",
-                )
-            else:
-                value = raw
-            values[name] = Value(value, "file", where)
+            spec = _KEYS[(table, key)]
+            values[spec.name] = Value(spec.parse(raw, where), "file", where)
     return values
 
 
@@ -190,15 +265,15 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     parsed = _read_file(path)
     from_file = _file_values(path, *parsed) if parsed else {}
     result: dict[str, Value] = {}
-    for name, variable, default, accepted in _KEYS.values():
-        raw = env.get(variable, "")
+    for spec in KEYS:
+        raw = env.get(spec.env, "")
         if raw.strip():
-            value = _choice(raw, accepted, variable, name) if accepted else raw
-            result[name] = Value(value, "env", variable)
-        elif name in from_file:
-            result[name] = from_file[name]
+            value = raw if spec.kind == "path" else spec.parse(raw, spec.env)
+            result[spec.name] = Value(value, "env", spec.env)
+        elif spec.name in from_file:
+            result[spec.name] = from_file[spec.name]
         else:
-            result[name] = Value(default, "default", "default")
+            result[spec.name] = Value(spec.default, "default", "default")
     return Settings(config_path=path, config_exists=parsed is not None, **result)
 
 

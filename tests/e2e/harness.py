@@ -152,6 +152,8 @@ class Server:
     work: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    #: Further variables of the server's environment (the layer's settings).
+    settings: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -203,6 +205,7 @@ class Server:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HYBRID_DRAFT_EVENTS_FILE": str(self.events_file),
             "HYBRID_DRAFT_STANDIN_LOG": str(self.standin_log),
+            **self.settings,
         }
         if self.tensor_parallel > 1:
             # vLLM's automatic binding wants a NUMA node per rank; bind one core each.
@@ -305,9 +308,12 @@ def serving(
     cpu_env: CpuEnv,
     work: Path,
     tensor_parallel: int = 1,
+    settings: dict[str, str] | None = None,
 ) -> Iterator[Server]:
     """A started, healthy server; stopped on the way out, whatever happened."""
-    server = Server(name, mode, checkpoint, tensor_parallel, cpu_env, work)
+    server = Server(
+        name, mode, checkpoint, tensor_parallel, cpu_env, work, settings=dict(settings or {})
+    )
     try:
         with Timer(f"server {name}: start until /health"):
             server.start()

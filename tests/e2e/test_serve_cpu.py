@@ -4,9 +4,11 @@ wheel installed as the image installs it, and ``hybrid-draft smoke`` against eac
 
 One server per run, started once and shared by that run's tests: modes ``auto``,
 ``safetensors`` (on the GLM-4 MoE preset, so both ``cpu`` presets are served),
-``instanttensor`` and ``selective``, and ``auto`` with tensor-parallel size 2. The only
-stand-in is InstantTensor's GPU read (tests/e2e/standin), in every server process. What
-each load should read is not written here: ``hybrid-draft plan`` says it, from the
+``instanttensor`` and ``selective``, and ``auto`` with tensor-parallel size 2; and, as
+their references, ``auto`` with one pass and the skip of replaced tensors turned off, at
+both sizes: the same greedy outputs and speculative-decoding counters, reading more. The
+only stand-in is InstantTensor's GPU read (tests/e2e/standin), in every server process.
+What each load should read is not written here: ``hybrid-draft plan`` says it, from the
 checkpoint's headers, and the served loads must agree.
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 from .harness import WHEELHOUSE, Checkpoint, CpuEnv, Server, Timer, run, serving
 
@@ -26,12 +29,24 @@ pytestmark = pytest.mark.e2e
 DECISION, LOADED = "hybrid_draft.decision", "hybrid_draft.loaded"
 
 
+#: One pass and the skip of replaced tensors both off: the reference runs.
+PLAIN = {"HYBRID_DRAFT_HOLD_BUDGET": "0", "HYBRID_DRAFT_SKIP_REPLACED": "false"}
+
+
 @dataclass(frozen=True)
 class Run:
     name: str
     mode: str
     arch: str
     tensor_parallel: int = 1
+    settings: tuple[tuple[str, str], ...] = ()
+    #: The reference run whose outputs this one must reproduce.
+    reference: str | None = None
+
+    @property
+    def one_pass(self) -> bool:
+        """Whether the target's pass keeps the draft's tensors (the draft switches)."""
+        return self.mode != "instanttensor" and not self.settings
 
     @property
     def draft_format(self) -> str:
@@ -42,12 +57,16 @@ class Run:
 
 
 RUNS = [
-    Run("auto", "auto", "deepseek_v3"),
+    Run("auto-plain", "auto", "deepseek_v3", settings=tuple(PLAIN.items())),
+    Run("auto", "auto", "deepseek_v3", reference="auto-plain"),
     Run("safetensors", "safetensors", "glm4_moe"),
     Run("instanttensor", "instanttensor", "deepseek_v3"),
-    Run("selective", "selective", "deepseek_v3"),
-    Run("auto-tp2", "auto", "deepseek_v3", tensor_parallel=2),
+    Run("selective", "selective", "deepseek_v3", reference="auto-plain"),
+    Run("auto-tp2-plain", "auto", "deepseek_v3", tensor_parallel=2, settings=tuple(PLAIN.items())),
+    Run("auto-tp2", "auto", "deepseek_v3", tensor_parallel=2, reference="auto-tp2-plain"),
 ]
+#: Each run's greedy outputs and speculative-decoding counters, by run name.
+OUTPUTS: dict[str, dict[str, Any]] = {}
 
 
 @dataclass
@@ -75,7 +94,13 @@ def served(
     run: Run = request.param
     ckpt = checkpoints[run.arch]
     with serving(
-        run.name, run.mode, ckpt, cpu_env, tmp_path_factory.mktemp(run.name), run.tensor_parallel
+        run.name,
+        run.mode,
+        ckpt,
+        cpu_env,
+        tmp_path_factory.mktemp(run.name),
+        run.tensor_parallel,
+        dict(run.settings),
     ) as server:
         yield Served(run, server, ckpt, cpu_env)
 
@@ -126,11 +151,15 @@ def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(served:
     assert served.server.proc is not None and served.server.proc.pid not in workers
     assert not [e for e in events if e["event"] == "hybrid_draft.load_failed"]
     modes = plan["modes"]
-    draft_reads = (
-        modes["instanttensor_pruned"]
-        if run.mode == "instanttensor"
-        else {"shards": modes["lazy_pruned"]["shards"], "tensors": modes["selective"]["tensors"]}
-    )
+    if run.mode == "instanttensor":
+        draft_reads = modes["instanttensor_pruned"]
+    elif run.one_pass:  # every tensor the draft reads was held from the target's stream
+        draft_reads = {"shards": [], "tensors": modes["one_pass"]["stream"]["tensors"]}
+    elif run.settings:  # no skip: what the rule keeps, from the shards holding it
+        draft_reads = modes["lazy_pruned"]
+    else:
+        draft_reads = modes["auto"]
+    replaced = plan["replaced_by_target"]
     for pid in workers:
         mine = [e for e in events if e["pid"] == pid and e["event"] in (DECISION, LOADED)]
         assert [(e["event"], e["role"]) for e in mine] == [
@@ -155,6 +184,29 @@ def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(served:
             len(draft_reads["shards"]),
             draft_reads["tensors"],
         )
+        assert target_decision["one_pass"]["enabled"] is run.one_pass
+        if run.mode == "instanttensor":
+            assert "sources" not in draft
+            continue
+        sources = draft["sources"]
+        skipped = (
+            {k: replaced[k] for k in ("tensors", "bytes")}
+            if not run.settings
+            else ({"tensors": 0, "bytes": 0})
+        )
+        assert sources["replaced_by_target"] == skipped
+        if run.one_pass:
+            # Nothing from storage: the draft's tensors came from the target's pass.
+            assert sources["storage"] == {"tensors": 0, "bytes": 0}
+            assert sources["stream"] == modes["one_pass"]["stream"]
+            assert draft["one_pass"]["held_bytes"] == sources["stream"]["bytes"]
+            assert draft["bytes_read"] <= READ_SLACK, draft
+        else:
+            assert sources["stream"] == {"tensors": 0, "bytes": 0}
+
+
+#: Storage bytes a draft's load may read besides its tensors (code it imports, metadata).
+READ_SLACK = 256 << 10
 
 
 def test_instanttensor_reads_are_the_target_and_only_an_instanttensor_draft(served: Served) -> None:
@@ -187,6 +239,8 @@ def test_report_summarises_the_events_file(served: Served) -> None:
     text = env.cli("report", events_file).stdout
     print(f"\n{run.name}: hybrid-draft report\n{text}")
     lines = text.splitlines()
+    if run.one_pass:
+        assert sum("from the target's stream" in ln for ln in lines) == run.tensor_parallel
     assert (
         sum(ln.strip().startswith("draft vs a second full pass: read ") for ln in lines)
         == run.tensor_parallel
@@ -268,3 +322,52 @@ def test_ray_is_not_offered_by_vllms_cpu_platform(cpu_env: CpuEnv) -> None:
     )
     out = run([cpu_env.python, "-c", code], env=cpu_env.env(), what="vLLM's platform")
     assert json.loads(out.stdout.splitlines()[-1]) == ["cpu", ""]
+
+
+# --- one pass and the skip change no output ----------------------------------------------
+
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Speculative decoding works by")
+COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def _counters(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if family.name in COUNTERS and sample.name == f"{family.name}_total":
+                out[family.name] += sample.value
+    return out
+
+
+def test_greedy_outputs_and_draft_counters(served: Served) -> None:
+    """Greedy completions and what the draft proposed and got accepted for them: recorded
+    per run, and equal to the reference run's (one pass and the skip both off)."""
+    url, run = served.server.url, served.run
+    before = _counters(url)
+    texts = []
+    for prompt in PROMPTS:
+        r = requests.post(
+            f"{url}/v1/completions",
+            json={
+                "model": str(served.checkpoint.path),
+                "prompt": prompt,
+                "max_tokens": 32,
+                "temperature": 0,
+                "seed": 0,
+                "ignore_eos": True,
+            },
+            timeout=600,
+        )
+        r.raise_for_status()
+        texts.append(r.json()["choices"][0]["text"])
+    after = _counters(url)
+    counters = {k: after[k] - before[k] for k in COUNTERS}
+    assert counters[COUNTERS[0]] > 0, "the draft proposed nothing"
+    OUTPUTS[run.name] = {"texts": texts, "counters": counters}
+    if run.reference is not None:
+        reference = OUTPUTS.get(run.reference)
+        assert reference is not None, f"the reference run {run.reference} did not record"
+        assert OUTPUTS[run.name] == reference

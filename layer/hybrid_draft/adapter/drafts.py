@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybrid_draft.adapter import rules
+from hybrid_draft.adapter import rules, sharing
 
 CONFIG_NAME = "config.json"
 
@@ -44,8 +44,10 @@ class Draft:
     vllm_rule: Callable[[str], bool] | None
     #: The MTP layers the draft's config declares (vLLM's ``n_predict``), if it says.
     mtp_layers: int | None = None
-    #: What reading the config found, as ``(code, detail)`` (``plan.WARNINGS``).
+    #: What reading the config found, as ``(code, detail)`` (``planning.WARNINGS``).
     notes: tuple[tuple[str, str], ...] = ()
+    #: The modules vLLM replaces with the target's once the draft is loaded (``sharing``).
+    shared: frozenset[str] = frozenset()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -202,15 +204,16 @@ def mtp_draft(model_dir: str, trust_remote_code: bool = False) -> Draft:
             ),
         )
     source = rules.rule_source(cls)
+    shared = sharing.expected(cls, 1, "mtp", is_mtp(after[0]))
     if source == "vllm":
         rule = rules.probe(cls, config)
-        return Draft(cls.__name__, source, rule, rule, layers, notes)
+        return Draft(cls.__name__, source, rule, rule, layers, notes, shared)
     if source == "hybrid-draft":
         ours = rules.rule_for(cls)
         assert ours is not None
-        rule = functools.partial(ours, rules.config_for(cls, target, config))
-        return Draft(cls.__name__, source, rule, None, layers, notes)
-    return Draft(cls.__name__, source, None, None, layers, notes)
+        rule = functools.partial(ours.is_unused, rules.config_for(cls, target, config))
+        return Draft(cls.__name__, source, rule, None, layers, notes, shared)
+    return Draft(cls.__name__, source, None, None, layers, notes, shared)
 
 
 #: Drafts with MTP in their name that load a checkpoint of their own, and what it is.
@@ -300,3 +303,10 @@ def rules_summary(classes: list[dict[str, str]]) -> str:
     )
     rest = [c["class"] for c in mtp if c["rule"] == "none"]
     return line + (f"; not: {', '.join(rest)}" if rest else "")
+
+
+def draft_class(model_config: Any) -> type:
+    """The class vLLM builds for ``model_config`` (its registry's resolution)."""
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    return get_model_architecture(model_config)[0]

@@ -1,34 +1,39 @@
 """hybrid-draft's draft loaders, registered with vLLM's own ``register_model_loader``.
 
-Both are vLLM's ``DefaultModelLoader`` but for one step: the primary weights of a model
-whose class has a checkpoint-weight rule (``is_unused_checkpoint_weight``, vLLM's or this
-layer's) are read by a :class:`~hybrid_draft.checkpoint.Selection` made from the shard
-headers: a shard holding nothing the draft keeps is never opened, and a tensor the rule
-rejects is never touched, as vLLM already skips other ranks' experts
-(``should_skip_weight``) before reading. vLLM's lazy iterator, by contrast, calls
-``get_tensor`` on every tensor of every shard it opens, and readahead then reads most of
-each one. Everything else is vLLM's: file resolution, the model's ``load_weights``, the
-"weights were not initialized" check, quantization. A source without a rule (secondary
-weights, a class without one) is read by vLLM's own lazy safetensors iterator.
+Both are vLLM's ``DefaultModelLoader`` but for one step: the draft's primary weights are
+read from its :class:`~hybrid_draft.planning.DraftPlan` (made once, when the load was
+decided) instead of by walking every shard. A shard holding nothing the draft keeps is
+never opened; a tensor the rule rejects is never touched, as vLLM already skips other
+ranks' experts (``should_skip_weight``) before reading; a tensor behind a module vLLM
+replaces with the target's right after loading is not read at all (``sharing``); a tensor
+the target's InstantTensor pass kept for the draft (``hold``) is taken from memory.
+Everything else is vLLM's: the model's ``load_weights``, its "weights were not
+initialized" check (which the skipped parameters pass only because vLLM replaces them, and
+only after the layer has checked the rest are complete), quantization. A source without a
+plan (secondary weights, a loader used without one) is read by vLLM's own lazy path.
 
 - ``safetensors_filtered``: the kept tensors, memory-mapped (lazy safetensors), shard by
   shard in file order. Modes ``auto`` and ``safetensors`` (and the selective fallback).
-- ``instanttensor_selective``: the kept tensors streamed to the draft's GPU by
-  InstantTensor's ``tensor_filter`` (mode ``selective``; see ``selective.py``).
+- ``instanttensor_selective``: the kept tensors streamed to the draft's device by
+  InstantTensor's ``tensor_filter`` (mode ``selective``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hybrid_draft import checkpoint, policy
-from hybrid_draft.adapter import calls, stats
+from hybrid_draft import checkpoint, planning, policy
+from hybrid_draft.adapter import calls, hold, sharing, stats
+from hybrid_draft.events import emit
 
 #: The load formats these loaders are registered under.
 FILTERED = "safetensors_filtered"
@@ -108,9 +113,7 @@ def lazy_filtered_iterator(
 
 
 def instanttensor_selective_iterator(
-    selection: checkpoint.Selection,
-    device: torch.device,
-    use_tqdm_on_load: bool = True,
+    selection: checkpoint.Selection, device: torch.device, use_tqdm_on_load: bool = True
 ) -> Weights:
     """Stream exactly the selected tensors to ``device`` with InstantTensor.
 
@@ -143,59 +146,236 @@ def instanttensor_selective_iterator(
             yield name, tensor
 
 
+@dataclass
+class DraftRead:
+    """What one draft load takes from where: its plan, the hold it draws on, what it skips.
+
+    Made by the layer when it decides the load (``patch``), handed to the loader through
+    :func:`reading`; the loader fills ``sources``.
+    """
+
+    plan: planning.DraftPlan
+    hold: hold.Hold | None = None
+    skip_replaced: bool = True
+    sink: tuple[str, str | None] | None = None
+    #: Filled by the load: ``planning.DraftPlan.sources`` keys, as read.
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: The replaced tensors skipped, by name -> kind (after the built model was checked).
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+_READ: ContextVar[DraftRead | None] = ContextVar("hybrid_draft_draft_read", default=None)
+
+
+@contextlib.contextmanager
+def reading(read: DraftRead | None) -> Iterator[None]:
+    """While open, this layer's loaders read the draft by ``read``."""
+    token = _READ.set(read)
+    try:
+        yield
+    finally:
+        _READ.reset(token)
+
+
+def _add(counts: dict[str, int], tensor: Any) -> None:
+    counts["tensors"] += 1
+    counts["bytes"] += hold.nbytes(tensor)
+
+
 @functools.cache
 def _loader_classes() -> dict[str, type]:
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
-    class SelectedWeightsLoader(DefaultModelLoader):
-        """``DefaultModelLoader`` whose rule-bearing sources are read by a selection."""
+    class PlannedDraftLoader(DefaultModelLoader):
+        """``DefaultModelLoader`` whose primary weights are read by the draft's plan."""
 
         def __init__(self, load_config: Any) -> None:
-            # The base class resolves files and reads rule-less sources as lazy safetensors.
+            # The base class reads plan-less sources as lazy safetensors.
             super().__init__(calls.lazy_load_config(load_config))
             self.requested_load_config = load_config
+            self.draft: DraftRead | None = None
+
+        # -- the weights ------------------------------------------------------------------
 
         def _get_weights_iterator(self, source: Any) -> Any:
-            rule = source.is_unused_weight
-            if rule is None or self._encoder_only_lm_prefixes is not None:
+            read = self.draft
+            if (
+                read is None
+                or read.plan.is_unused is None
+                or not read.plan.kept
+                or source.prefix
+                or source.is_unused_weight is None
+                or self._encoder_only_lm_prefixes is not None
+            ):
                 return super()._get_weights_iterator(source)
-            _, files, use_safetensors, _ = self._prepare_weights(
-                source.model_or_path,
-                source.subfolder,
-                source.revision,
-                source.fall_back_to_pt,
-                source.allow_patterns_overrides,
-            )
             local = self.local_expert_ids
-            selection = (
-                checkpoint.select(files, lambda n: rule(n) or should_skip_weight(n, local))
-                if (use_safetensors)
-                else None
+            held = read.hold
+            taking = [
+                t.name
+                for t in read.plan.kept
+                if held is not None
+                and t.name in held.tensors
+                and t.name not in read.skipped
+                and not should_skip_weight(t.name, local)
+            ]
+            from_hold = set(taking)
+            selection = read.plan.selection(
+                skip=lambda n: n in from_hold or should_skip_weight(n, local),
+                replaced=read.skipped,
             )
-            if not selection or not selection.files:
-                # Nothing to select from (or nothing kept): vLLM's own path, and its errors.
-                return super()._get_weights_iterator(source)
+            files = [str(s.path) for s in read.plan.shards]
+            stats.resolved(files)
             stats.dropped(set(files) - set(selection.files))
             if self.counter_before_loading_weights == 0.0:
                 self.counter_before_loading_weights = time.perf_counter()
-            weights = self.read(selection)
-            return ((source.prefix + name, tensor) for name, tensor in weights)
+            return self._weights(read, taking, selection)
+
+        def _weights(
+            self, read: DraftRead, taking: list[str], selection: checkpoint.Selection
+        ) -> Weights:
+            missed = []
+            for name in taking:
+                tensor = read.hold.take(name) if read.hold is not None else None
+                if tensor is None:  # released meanwhile: read from storage after all
+                    missed.append(name)
+                    continue
+                _add(read.sources["stream"], tensor)
+                yield name, tensor
+            if missed:
+                yield from self._count(read, self.read_names(read.plan, missed))
+            yield from self._count(read, self.read(selection))
+
+        @staticmethod
+        def _count(read: DraftRead, weights: Iterable[tuple[str, Any]]) -> Weights:
+            for name, tensor in weights:
+                _add(read.sources["storage"], tensor)
+                yield name, tensor
 
         def read(self, selection: checkpoint.Selection) -> Weights:
             raise NotImplementedError
 
-    class FilteredSafetensorsLoader(SelectedWeightsLoader):
-        """Lazy safetensors that never touch a tensor the draft's rule rejects."""
+        def read_names(self, plan: planning.DraftPlan, names: Iterable[str]) -> Weights:
+            """The named checkpoint tensors, from storage (the skip's fallback)."""
+            wanted = set(names)
+            return lazy_filtered_iterator(
+                planning.select(plan.shards, lambda t: t.name in wanted), False
+            )
+
+        # -- the load ---------------------------------------------------------------------
+
+        def load_weights(self, model: Any, model_config: Any) -> None:
+            self.draft = read = _READ.get()
+            replaceable: dict[str, str] = {}
+            if read is not None:
+                read.sources = {
+                    key: {"tensors": 0, "bytes": 0}
+                    for key in ("storage", "stream", "replaced_by_target")
+                }
+            if read is not None and read.skip_replaced and read.plan.replaced:
+                vllm_config = get_current_vllm_config()
+                kinds = read.plan.shared & sharing.expected(
+                    model,
+                    vllm_config.parallel_config.pipeline_parallel_size,
+                    getattr(vllm_config.speculative_config, "method", None),
+                    True,
+                )
+                replaceable = sharing.replaceable(model, kinds)
+                present = set(replaceable.values())
+                read.skipped = {n: k for n, k in read.plan.replaced.items() if k in present}
+                sizes = {t.name: t.nbytes for t in read.plan.kept}
+                read.sources["replaced_by_target"] = {
+                    "tensors": len(read.skipped),
+                    "bytes": sum(sizes[n] for n in read.skipped),
+                }
+            real = model.load_weights
+
+            def load_and_check(weights: Iterable[tuple[str, Any]]) -> Any:
+                loaded = real(weights)
+                if read is None or not read.skipped:
+                    return loaded
+                return self._check_skip(model, model_config, read, replaceable, real, loaded)
+
+            model.load_weights = load_and_check
+            try:
+                super().load_weights(model, model_config)
+            finally:
+                del model.load_weights
+
+        def _complete(self, model: Any, model_config: Any, loaded: set[str]) -> bool:
+            """vLLM's own "weights were not initialized" check, as a question."""
+            try:
+                DefaultModelLoader.track_weights_loading(
+                    self, model, set(loaded), quantized=model_config.quantization is not None
+                )
+            except ValueError:
+                return False
+            return True
+
+        def _check_skip(
+            self,
+            model: Any,
+            model_config: Any,
+            read: DraftRead,
+            replaceable: dict[str, str],
+            load: Callable[[Iterable[tuple[str, Any]]], Any],
+            loaded: set[str] | None,
+        ) -> Any:
+            """Exempt the skipped parameters from vLLM's check only if nothing else is
+            missing; else read the skipped tensors now (the name rule missed this class)."""
+            params = dict(model.named_parameters())
+            pending = {n for n in replaceable if loaded is None or n not in loaded}
+            if loaded is None or not self._complete(model, model_config, loaded | pending):
+                names = list(read.skipped)
+                with sharing.partial_load():
+                    more = load(self._count(read, self.read_names(read.plan, names)))
+                emit(
+                    "hybrid_draft.replaced_fallback",
+                    "warning",
+                    sink=read.sink,
+                    role="draft",
+                    names=names,
+                    parameters=[],
+                    bytes=read.sources["replaced_by_target"]["bytes"],
+                    detail="the draft's load left parameters unset that vLLM does not "
+                    "replace; the skipped tensors were read from the checkpoint",
+                )
+                read.sources["replaced_by_target"] = {"tensors": 0, "bytes": 0}
+                read.skipped = {}
+                return None if loaded is None else loaded | set(more or ())
+            by_kind: dict[str, list[str]] = {}
+            for name, kind in read.skipped.items():
+                by_kind.setdefault(kind, []).append(name)
+            sizes = {t.name: t.nbytes for t in read.plan.kept}
+            skipped = sharing.Skipped(
+                model=model,
+                params={n: params[n] for n in pending},
+                kinds={n: replaceable[n] for n in pending},
+                names=by_kind,
+                nbytes={k: sum(sizes[n] for n in v) for k, v in by_kind.items()},
+                read=lambda names: self.read_names(read.plan, names),
+                sink=read.sink,
+            )
+            scope = hold.current()
+            if scope is not None:
+                scope.skipped.append(skipped)
+            else:
+                sharing.on_first_forward(skipped)
+            return loaded | pending
+
+    class FilteredSafetensorsLoader(PlannedDraftLoader):
+        """Lazy safetensors that never touch a tensor the draft's plan leaves out."""
 
         def read(self, selection: checkpoint.Selection) -> Weights:
             return lazy_filtered_iterator(selection, self.load_config.use_tqdm_on_load)
 
-    class SelectiveInstantTensorLoader(SelectedWeightsLoader):
-        """InstantTensor streaming only the draft's tensors onto its GPU."""
+    class SelectiveInstantTensorLoader(PlannedDraftLoader):
+        """InstantTensor streaming only the draft's planned tensors onto its device."""
 
         def read(self, selection: checkpoint.Selection) -> Weights:
+            if not selection.files:
+                return iter(())  # type: ignore[return-value]
             device = torch.device(
                 self.load_config.device or get_current_vllm_config().device_config.device
             )

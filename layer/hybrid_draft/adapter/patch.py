@@ -1,32 +1,43 @@
-"""The wrap of ``vllm.model_executor.model_loader.get_model``: policy in, load config out.
+"""The wrap of vLLM's model loading: policy in, load config out, one event per decision.
 
 :func:`on_model_loader` runs right after vLLM's model-loader package executes (the
 bootstrap's post-import hook). If ``get_model`` has a shape this layer understands it is
 replaced by a wrapper with the same signature and metadata; otherwise nothing is touched
-and a ``hybrid_draft.patch_skipped`` event says why. Each wrapped call reads the settings,
-asks the policy, emits exactly one ``hybrid_draft.decision`` event, calls vLLM's
-``get_model`` with the draft's switched load config (or its arguments unchanged), and then
-says what the load cost: ``hybrid_draft.loaded``, or ``hybrid_draft.load_failed`` before
-the exception propagates unchanged.
+and a ``hybrid_draft.patch_skipped`` event says why. Every private vLLM name the layer's
+parts rely on is checked there too (:data:`PARTS`): a part whose names are missing is
+switched off with a ``hybrid_draft.part_skipped`` event naming them, and its drafts load
+on vLLM's own path.
+
+Every model load is one :func:`run`: read the settings, ask the policy, emit exactly one
+``hybrid_draft.decision``, load (the draft with its switched load config, the target as
+asked), then say what it cost: ``hybrid_draft.loaded``, or ``hybrid_draft.load_failed``
+before the exception propagates unchanged. Loads arrive through ``get_model`` (vLLM's
+proposers, the CPU runner) or straight through a loader's ``load_model`` (vLLM's GPU
+runners load the target that way); both are wrapped and both come here, once per load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from hybrid_draft import __version__, policy, settings
-from hybrid_draft.adapter import calls, stats
+from hybrid_draft.adapter import calls, hold, stats
 from hybrid_draft.events import emit
+from hybrid_draft.planning import DraftPlan
 
 MODULE = "vllm.model_executor.model_loader"
 TARGET = f"{MODULE}.get_model"
 REQUIRED = ("vllm_config", "model_config", "load_config")
 _WRAPPED = "__hybrid_draft_wrapped__"
+#: The original instanttensor-hybrid-draft-loader mod's marker in the file it rewrites.
+TEXT_PATCH_MARKER = "# spark-vllm mod: instanttensor-hybrid-draft-loader"
 #: The keys every hybrid_draft.decision event carries (null where a call leaves one unknown).
 DECISION_FIELDS = (
     "role",
@@ -48,6 +59,38 @@ SWITCH_MESSAGE = {
     "tensors with InstantTensor while preserving InstantTensor for "
     "the target model",
 }
+
+#: The private vLLM names each part of the layer relies on (``module:attr`` or
+#: ``module:Class.attr``; instance attributes of a fresh ``DefaultModelLoader`` as
+#: ``loader.attr``). A part whose names are missing is switched off.
+_DL = "vllm.model_executor.model_loader.default_loader:DefaultModelLoader"
+PARTS: dict[str, tuple[str, ...]] = {
+    "draft_loaders": (
+        f"{_DL}._prepare_weights",
+        f"{_DL}._get_weights_iterator",
+        f"{_DL}.get_all_weights",
+        f"{_DL}.load_weights",
+        f"{_DL}.track_weights_loading",
+        f"{_DL}.counter_before_loading_weights",
+        f"{_DL}.Source",
+        "loader.local_expert_ids",
+        "loader._encoder_only_lm_prefixes",
+        "vllm.model_executor.model_loader.ep_weight_filter:should_skip_weight",
+        "vllm.model_executor.model_loader:register_model_loader",
+        "vllm.model_executor.model_loader.utils:get_model_architecture",
+        "vllm.model_executor.model_loader.weight_utils:enable_tqdm",
+    ),
+    "one_pass": (
+        f"{_DL}.get_all_weights",
+        f"{_DL}._init_ep_weight_filter",
+        "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
+        "vllm.model_executor.model_loader.utils:get_draft_load_config",
+        "vllm.distributed.parallel_state:get_pp_group",
+    ),
+    "direct_loads": ("vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",),
+}
+#: Parts switched off in this process, with why.
+OFF: dict[str, str] = {}
 
 
 def vllm_version() -> str | None:
@@ -74,7 +117,67 @@ def shape_problem(module: Any) -> str | None:
         return f"vllm.config.load.LoadConfig is not a dataclass: {exc!r}"
     if "load_format" not in fields:
         return "LoadConfig has no load_format field"
-    return None
+    return text_patch(module)
+
+
+def text_patch(module: Any) -> str | None:
+    """The original text-patch mod rewrote this vLLM's loader: say so (None if not)."""
+    path = getattr(module, "__file__", None)
+    try:
+        with open(path or "", encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return None
+    if TEXT_PATCH_MARKER not in text:
+        return None
+    return (
+        f"the instanttensor-hybrid-draft-loader mod has rewritten {path}; hybrid-draft does "
+        "its job and will not stack a second wrapper on it: reinstall vLLM (or recreate the "
+        "container without that mod), then hybrid-draft wraps get_model"
+    )
+
+
+def _resolve(name: str, loader: Any) -> bool:
+    if name.startswith("loader."):
+        return loader is not None and hasattr(loader, name.partition(".")[2])
+    module, _, path = name.partition(":")
+    try:
+        obj: Any = __import__(module, fromlist=["_"])
+        for part in path.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # missing or failing: either way not a shape we know
+        return False
+    return True
+
+
+def missing_names(names: tuple[str, ...]) -> list[str]:
+    """The names of ``names`` this vLLM lacks."""
+    loader = None
+    try:
+        from vllm.config.load import LoadConfig
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        loader = DefaultModelLoader(LoadConfig(load_format="safetensors"))
+    except Exception:  # reported below as the missing instance attributes
+        loader = None
+    return [n for n in names if not _resolve(n, loader)]
+
+
+def check_parts() -> None:
+    """Switch off each part whose private vLLM names this vLLM lacks, saying which."""
+    OFF.clear()
+    for part, names in PARTS.items():
+        missing = missing_names(names)
+        if missing:
+            OFF[part] = f"this vLLM has no {', '.join(missing)}"
+            emit(
+                "hybrid_draft.part_skipped",
+                "warning",
+                vllm_version=vllm_version(),
+                part=part,
+                missing=missing,
+                reason=OFF[part],
+            )
 
 
 def on_model_loader(module: Any) -> None:
@@ -87,17 +190,28 @@ def on_model_loader(module: Any) -> None:
         emit("hybrid_draft.patch_skipped", "warning", vllm_version=vllm_version(), reason=problem)
         return
     module.get_model = wrap(module.get_model)
+    extra: dict[str, Any] = {}
+    check_parts()
     try:
-        unmeasured = stats.instrument(sys.modules[f"{MODULE}.default_loader"])
+        unmeasured = stats.instrument(sys.modules[f"{MODULE}.default_loader"], _observe)
     except Exception as exc:  # load figures are a report, never a reason to stop
         unmeasured = f"{type(exc).__name__}: {exc}"
-    extra = {"load_stats": "unavailable: " + unmeasured} if unmeasured else {}
+    if unmeasured:
+        extra["load_stats"] = "unavailable: " + unmeasured
+        OFF.setdefault("one_pass", unmeasured)
+    if "direct_loads" not in OFF:
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+        BaseModelLoader.load_model = wrap_load_model(BaseModelLoader.load_model)  # type: ignore[method-assign]
     emit("hybrid_draft.patched", vllm_version=vllm_version(), target=TARGET, **extra)
 
 
+# --- one load ----------------------------------------------------------------------------
+
+
 @dataclasses.dataclass
-class Outcome:
-    """One call as decided: who loads what, with which loader, and where events go."""
+class Load:
+    """One load as decided: who loads what, with which loader, and where events go."""
 
     role: str | None = None
     model: str | None = None
@@ -106,82 +220,174 @@ class Outcome:
     #: The draft's replacement load config; None keeps the call's arguments.
     load_config: Any = None
     sink: tuple[str, str | None] | None = None
+    #: A draft read by this layer's loaders: its plan, hold and sources.
+    draft: Any = None
+    #: A target load whose InstantTensor stream keeps the draft's tensors.
+    tap: hold.Hold | None = None
+
+
+_LOAD: ContextVar[Load | None] = ContextVar("hybrid_draft_load", default=None)
 
 
 def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``get_model`` with the layer's decision around it."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def get_model(*args: Any, **kwargs: Any) -> Any:
-        with stats.measuring() as cost:
-            outcome = Outcome()
-            try:
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                call = calls.Call.resolve(
-                    bound.arguments["vllm_config"],
-                    bound.arguments.get("model_config"),
-                    bound.arguments.get("load_config"),
-                )
-                decide(call, outcome)
-            except settings.ConfigError as exc:
-                _finish(outcome, cost, exc)
-                raise  # an invalid setting stops the load (CONTRACT.md)
-            except Exception as exc:
-                # A fault of the layer's own must not fail a load vLLM would have done:
-                # report it and let vLLM load exactly as asked.
-                unknown = dict.fromkeys(DECISION_FIELDS)
-                emit(
-                    "hybrid_draft.decision",
-                    "error",
-                    **{
-                        **unknown,
-                        "role": outcome.role,
-                        "model": outcome.model,
-                        "action": "kept",
-                        "reason": "layer_error",
-                        "detail": f"{type(exc).__name__}: {exc}",
-                    },
-                )
-                outcome.load_config = None
-            if outcome.load_config is not None:
-                kwargs = {**kwargs, "load_config": outcome.load_config}
-            try:
-                model = original(*args, **kwargs)
-            except BaseException as exc:
-                _finish(outcome, cost, exc)
-                raise
-            _finish(outcome, cost, None)
-        return model
+        def resolve() -> calls.Call:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return calls.Call.resolve(
+                bound.arguments["vllm_config"],
+                bound.arguments.get("model_config"),
+                bound.arguments.get("load_config"),
+            )
+
+        def proceed(load_config: Any) -> Any:
+            extra = {} if load_config is None else {"load_config": load_config}
+            return original(*args, **{**kwargs, **extra})
+
+        return run(resolve, proceed)
 
     setattr(get_model, _WRAPPED, True)
     return get_model
 
 
-def _finish(outcome: Outcome, cost: stats.LoadStats, exc: BaseException | None) -> None:
-    """``hybrid_draft.loaded``, or ``load_failed`` for a call that raised; never raises."""
+def wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A loader's ``load_model``: a load that did not come through ``get_model`` (vLLM's GPU
+    runners load the target this way) is decided here; one that did passes through."""
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def load_model(
+        self: Any, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if _LOAD.get() is not None:
+            return original(self, vllm_config, model_config, *args, **kwargs)
+
+        def proceed(load_config: Any) -> Any:
+            if load_config is None:
+                return original(self, vllm_config, model_config, *args, **kwargs)
+            from vllm.model_executor.model_loader import get_model_loader
+
+            return get_model_loader(load_config).load_model(
+                vllm_config, model_config, *args, **kwargs
+            )
+
+        return run(lambda: calls.Call.resolve(vllm_config, model_config, self.load_config), proceed)
+
+    setattr(load_model, _WRAPPED, True)
+    return load_model
+
+
+def run(resolve: Callable[[], calls.Call], proceed: Callable[[Any], Any]) -> Any:
+    """One load: decide, emit the decision, load, emit what it cost."""
+    load = Load()
+    with stats.measuring() as cost:
+        try:
+            decide(resolve(), load)
+        except settings.ConfigError as exc:
+            _finish(load, cost, exc)
+            raise  # an invalid setting stops the load
+        except Exception as exc:
+            # A fault of the layer's own must not fail a load vLLM would have done:
+            # report it and let vLLM load exactly as asked.
+            emit(
+                "hybrid_draft.decision",
+                "error",
+                sink=load.sink,
+                **{
+                    **dict.fromkeys(DECISION_FIELDS),
+                    "role": load.role,
+                    "model": load.model,
+                    "action": "kept",
+                    "reason": "layer_error",
+                    "detail": f"{type(exc).__name__}: {exc}",
+                },
+            )
+            load = Load(role=load.role, model=load.model, sink=load.sink)
+        token = _LOAD.set(load)
+        try:
+            with _reading(load):
+                model = proceed(load.load_config)
+        except BaseException as exc:
+            _finish(load, cost, exc)
+            raise
+        finally:
+            _LOAD.reset(token)
+        _finish(load, cost, None)
+    return model
+
+
+@contextlib.contextmanager
+def _reading(load: Load) -> Iterator[None]:
+    if load.draft is None:
+        yield
+        return
+    from hybrid_draft.adapter import loaders
+
+    with loaders.reading(load.draft):
+        yield
+
+
+def _observe() -> Callable[[str, Any], None] | None:
+    """For the tensors a ``DefaultModelLoader`` is about to yield to a model: the target's
+    tap (it keeps the draft's), or None."""
+    load = _LOAD.get()
+    return load.tap.offer if load is not None and load.tap is not None else None
+
+
+def _finish(load: Load, cost: stats.LoadStats, exc: BaseException | None) -> None:
+    """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised; a fault here is
+    reported as ``hybrid_draft.layer_error``, never raised over the load's own outcome."""
     try:
         fields: dict[str, Any] = {
-            "role": outcome.role,
-            "model": outcome.model,
-            "load_format": outcome.load_format,
-            "tensor_filter": outcome.tensor_filter,
+            "role": load.role,
+            "model": load.model,
+            "load_format": load.load_format,
+            "tensor_filter": load.tensor_filter,
             **cost.fields(),
         }
-        sink = outcome.sink or settings.event_sink()
+        if load.draft is not None and load.draft.sources:
+            fields["sources"] = load.draft.sources
+        if load.tap is not None:
+            fields["one_pass"] = load.tap.summary()
+        if load.draft is not None and load.draft.hold is not None:
+            fields["one_pass"] = load.draft.hold.summary()
         if exc is None:
-            emit("hybrid_draft.loaded", sink=sink, **fields)
+            emit("hybrid_draft.loaded", sink=load.sink, **fields)
         else:
             emit(
                 "hybrid_draft.load_failed",
                 "error",
-                sink=sink,
+                sink=load.sink,
                 **fields,
                 error_type=type(exc).__name__,
                 error=str(exc),
             )
-    except Exception:  # the load's own outcome (model or exception) is what matters
-        pass
+    except Exception as fault:
+        layer_error("the load's event", fault, load.sink)
+    finally:
+        if load.tap is not None and exc is not None:
+            load.tap.release("the target's load failed")
+        scope = hold.current()
+        if load.role == "draft" and scope is not None:
+            scope.release("the draft's load ended" if exc is None else "the draft's load failed")
+
+
+def layer_error(what: str, exc: BaseException, sink: tuple[str, str | None] | None) -> None:
+    """Report a fault of the layer's own that it worked around (never raises)."""
+    with contextlib.suppress(Exception):
+        emit(
+            "hybrid_draft.layer_error",
+            "error",
+            sink=sink,
+            where=what,
+            error_type=type(exc).__name__,
+            error=str(exc),
+        )
 
 
 def _current_settings() -> settings.Settings:
@@ -198,74 +404,211 @@ def _current_settings() -> settings.Settings:
         raise
 
 
-def decide(call: calls.Call, outcome: Outcome) -> None:
-    """Decide this call, emit its decision, and fill ``outcome`` for the load."""
+def decide(call: calls.Call, load: Load) -> None:
+    """Decide this load, emit its decision, and fill ``load``."""
     request = call.request()
-    outcome.role = request.role
-    outcome.model = request.model.model if request.model else None
-    outcome.load_format = request.requested_format
+    load.role = request.role
+    load.model = request.model.model if request.model else None
+    load.load_format = request.requested_format
     current = _current_settings()
-    outcome.sink = (current.level.value, current.events_file.value)
+    load.sink = (current.level.value, current.events_file.value)
     decision = policy.decide(request, current.mode.value)
     extra: dict[str, Any] = {}
-    if request.role == "draft":
-        extra["pruning_rule"] = _install_rule(call)
-        from hybrid_draft.adapter import checks
-
-        extra["warnings"] = checks.draft_warnings(call)  # never raises
-    if decision.reason == "selective":
-        from hybrid_draft.adapter import selective
-
+    if request.role == "target":
         try:
-            blocker, plan = selective.preflight(call)
-        except Exception as exc:  # planning reads the checkpoint: never fail the load on it
-            blocker, plan = ("planning_failed", f"{type(exc).__name__}: {exc}"), None
+            load.tap, extra["one_pass"] = _tap(call, current, request)
+        except Exception as exc:  # no one pass then; the target loads as asked
+            extra["one_pass"] = {
+                "enabled": False,
+                "reason": "layer_error",
+                "detail": f"{type(exc).__name__}: {exc}",
+            }
+    else:
+        decision = _decide_draft(call, request, decision, current, load, extra)
+    if decision.switched:
+        load.load_format = decision.chosen_format
+    _emit_decision(current, request, decision, extra, load.sink)
+
+
+def _same_checkpoint(request: policy.Request) -> bool:
+    return (
+        request.model is not None
+        and request.target is not None
+        and policy.same_checkpoint(request.model, request.target)
+    )
+
+
+def _plan(call: calls.Call, extra: dict[str, Any]) -> DraftPlan | None:
+    """The draft's plan: the one its target's load made, else made now (None on a fault,
+    which the decision then reports as ``plan_error``)."""
+    scope = hold.current()
+    held = scope.hold_for(call.model_config) if scope is not None else None
+    if held is not None:
+        return held.plan
+    from hybrid_draft.adapter import draftplan
+
+    try:
+        return draftplan.for_call(call)
+    except Exception as exc:  # reported, and the draft loads on vLLM's own lazy path
+        extra["plan_error"] = f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def _decide_draft(
+    call: calls.Call,
+    request: policy.Request,
+    decision: policy.Decision,
+    current: settings.Settings,
+    load: Load,
+    extra: dict[str, Any],
+) -> policy.Decision:
+    from hybrid_draft.adapter import drafts, loaders, rules
+
+    try:
+        extra["pruning_rule"] = rules.install(drafts.draft_class(call.model_config))
+    except Exception as exc:  # vLLM's own load will report a class it cannot resolve
+        extra["pruning_rule"] = None
+        extra["rule_error"] = f"{type(exc).__name__}: {exc}"
+    same = _same_checkpoint(request)
+    plan = _plan(call, extra) if same or decision.switched else None
+    if same:  # null when planning failed: unknown, not "nothing to say"
+        extra["warnings"] = (
+            plan.warnings() if plan is not None else (None if "plan_error" in extra else [])
+        )
+    if decision.reason == "selective":
+        blocker = (
+            ("planning_failed", extra.get("plan_error", "no safetensors shards to plan"))
+            if plan is None
+            else plan.selective_blocker
+        )
         if blocker:
             decision = policy.fall_back(decision, *blocker)
         else:
             assert plan is not None
-            extra.update(plan.summary())
+            extra.update(plan.selection().summary())
+    extra["tensor_filter"] = False
     if decision.switched:
-        outcome.load_config, outcome.tensor_filter = _switched_load_config(
-            call, decision.chosen_format, extra.get("pruning_rule")
+        ours = plan is not None and plan.is_unused is not None and "draft_loaders" not in OFF
+        if decision.chosen_format == policy.SAFETENSORS and not ours:
+            load.load_config = calls.lazy_load_config(call.load_config)
+            return decision
+        fmt = (
+            loaders.FILTERED
+            if decision.chosen_format == policy.SAFETENSORS
+            else decision.chosen_format
         )
-        outcome.load_format = decision.chosen_format
-    if request.role == "draft":
-        extra["tensor_filter"] = outcome.tensor_filter
-    _report(current, request, decision, extra)
+        load.load_config = calls.loader_load_config(call.load_config, fmt)
+    elif request.requested_format in (loaders.FILTERED, loaders.SELECTIVE):
+        fmt = request.requested_format  # the user's own draft_load_config names one of ours
+    else:
+        return decision
+    loaders.register(fmt)
+    if plan is None or plan.is_unused is None:
+        return decision  # the loader reads plan-less drafts by vLLM's own lazy path
+    scope = hold.current()
+    held = scope.hold_for(call.model_config) if scope is not None else None
+    skip = bool(current.skip_replaced.value)
+    load.tensor_filter = True
+    load.draft = loaders.DraftRead(plan=plan, hold=held, skip_replaced=skip, sink=load.sink)
+    planned = plan.sources(set(held.tensors) if held is not None else ())
+    if not skip:
+        planned["storage"] = {
+            k: planned["storage"][k] + planned["replaced_by_target"][k]
+            for k in ("tensors", "bytes")
+        }
+        planned["replaced_by_target"] = {"tensors": 0, "bytes": 0}
+    extra["sources"] = planned
+    extra["tensor_filter"] = True
+    return decision
 
 
-def _switched_load_config(call: calls.Call, chosen: str, rule: str | None) -> tuple[Any, bool]:
-    """The draft's load config for ``chosen``, and whether its tensors are filtered.
+def _tap(
+    call: calls.Call, current: settings.Settings, request: policy.Request
+) -> tuple[hold.Hold | None, dict[str, Any]]:
+    """The target's one pass: whether its stream keeps the draft's tensors, and why not."""
 
-    A switch to lazy safetensors for a class with a checkpoint-weight rule goes to the
-    ``safetensors_filtered`` loader: the same lazy reads, minus every rejected tensor.
-    """
-    from hybrid_draft.adapter import loaders
+    def off(reason: str, detail: str | None = None) -> tuple[None, dict[str, Any]]:
+        return None, {"enabled": False, "reason": reason, **({"detail": detail} if detail else {})}
 
-    if chosen == policy.SAFETENSORS and rule in (None, "none"):
-        return calls.lazy_load_config(call.load_config), False
-    load_format = loaders.FILTERED if chosen == policy.SAFETENSORS else chosen
-    loaders.register(load_format)
-    return calls.loader_load_config(call.load_config, load_format), True
+    budget = int(current.hold_budget.value)
+    if budget <= 0:
+        return off("hold_budget_zero")
+    if "one_pass" in OFF:
+        return off("part_skipped", OFF["one_pass"])
+    if request.requested_format != policy.INSTANTTENSOR:
+        return off("not_instanttensor")
+    scope = hold.current()
+    if scope is None:
+        return off("no_load_scope", "the target was not loaded by a model runner's load_model")
+    spec = call.speculative_config
+    draft_config = getattr(spec, "draft_model_config", None)
+    if draft_config is None or draft_config is getattr(spec, "target_model_config", None):
+        return off("no_draft_model")
+    from vllm.distributed.parallel_state import get_pp_group
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    if not get_pp_group().is_last_rank:
+        return off("not_last_pp_rank", "the draft is built on the last pipeline stage only")
+    draft_call = calls.Call.resolve(
+        call.vllm_config, draft_config, get_draft_load_config(call.vllm_config)
+    )
+    draft_request = draft_call.request()
+    draft_decision = policy.decide(draft_request, current.mode.value)
+    if not draft_decision.switched or not _same_checkpoint(draft_request):
+        return off("draft_not_switched", f"the draft's decision: {draft_decision.reason}")
+    from hybrid_draft.adapter import draftplan
+
+    plan = draftplan.for_call(draft_call)
+    if plan is None or plan.is_unused is None or not plan.kept:
+        return off("no_plan", "the draft has no checkpoint-weight rule or keeps nothing")
+    local = _draft_expert_filter(draft_call)
+    skip = set(plan.replaced) if current.skip_replaced.value else set()
+    wanted = [t for t in plan.kept if t.name not in skip and not local(t.name)]
+    target_bytes = plan.all_bytes // max(1, call.vllm_config.parallel_config.tensor_parallel_size)
+    budget = hold.effective_budget(
+        budget, hold.free_memory(draftplan.device_of(call)), target_bytes
+    )
+    chosen, total = [], 0
+    for t in wanted:
+        if total + t.nbytes <= budget:
+            chosen.append(t.name)
+            total += t.nbytes
+    tap = hold.Hold(
+        plan=plan,
+        draft_model_config=draft_config,
+        wanted=frozenset(chosen),
+        budget=budget,
+        sink=(current.level.value, current.events_file.value),
+    )
+    scope.holds.append(tap)
+    return tap, {
+        "enabled": True,
+        "budget": budget,
+        "planned_tensors": len(chosen),
+        "planned_bytes": total,
+        "draft_tensors": len(wanted),
+        "draft_bytes": sum(t.nbytes for t in wanted),
+    }
 
 
-def _install_rule(call: calls.Call) -> str | None:
-    """Give the draft's class our pruning rule if it lacks one; say whose rule applies."""
-    try:
-        from hybrid_draft.adapter import rules
-        from hybrid_draft.adapter.selective import draft_class
+def _draft_expert_filter(draft_call: calls.Call) -> Callable[[str], bool]:
+    """Whether the draft's load on this rank skips a name (another rank's expert), by the
+    very vLLM code its loader will run."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
-        return rules.install(draft_class(call.model_config))
-    except Exception:  # vLLM's own load will report a class it cannot resolve
-        return None
+    probe = DefaultModelLoader(calls.lazy_load_config(draft_call.load_config))
+    probe._init_ep_weight_filter(draft_call.model_config)
+    local = probe.local_expert_ids
+    return lambda name: should_skip_weight(name, local)
 
 
-def _report(
+def _emit_decision(
     current: settings.Settings,
     request: policy.Request,
     decision: policy.Decision,
     extra: dict[str, Any],
+    sink: tuple[str, str | None] | None,
 ) -> None:
     fields: dict[str, Any] = {
         "role": request.role,
@@ -286,7 +629,6 @@ def _report(
     if request.target is not None:
         fields.update(target_model=request.target.model, target_revision=request.target.revision)
     fields.update(extra)
-    sink = (current.level.value, current.events_file.value)
     emit("hybrid_draft.decision", sink=sink, **fields)
     if decision.switched:
         from vllm.logger import init_logger

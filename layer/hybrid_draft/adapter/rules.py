@@ -78,7 +78,7 @@ class Layers:
 
 @dataclass(frozen=True)
 class Keep:
-    """What one ``load_weights`` keeps of a checkpoint; calling it answers "is it unused?".
+    """What one ``load_weights`` keeps of a checkpoint; :meth:`is_unused` answers for a name.
 
     Applied in order: ``rename`` (prefix rewrites the loader applies first), ``drop``
     (sub-names it always skips), ``dropped_if`` (names skipped while a config flag is set:
@@ -103,7 +103,8 @@ class Keep:
     text_config: bool = False
     reads: str = "target"
 
-    def __call__(self, config: Any, name: str) -> bool:
+    def is_unused(self, config: Any, name: str) -> bool:
+        """Whether ``load_weights`` leaves the checkpoint tensor ``name`` unread."""
         try:
             return self._unused(config, name)
         except Exception:  # a rule must never fail a load: keep what it cannot judge
@@ -313,12 +314,12 @@ RULES: dict[tuple[str, str], Keep] = {
 
 def deepseek_mtp_unused(config: Any, name: str) -> bool:
     """``DeepSeekMTP.load_weights``: MTP layers plus the target's top-level embedding."""
-    return RULES[(_M + "deepseek_mtp", "DeepSeekMTP")](config, name)
+    return RULES[(_M + "deepseek_mtp", "DeepSeekMTP")].is_unused(config, name)
 
 
 def glm4_moe_mtp_unused(config: Any, name: str) -> bool:
     """``Glm4MoeMTP.load_weights``: MTP layers plus the embedding and the LM head."""
-    return RULES[(_M + "glm4_moe_mtp", "Glm4MoeMTP")](config, name)
+    return RULES[(_M + "glm4_moe_mtp", "Glm4MoeMTP")].is_unused(config, name)
 
 
 def loader_of(cls: type) -> type | None:
@@ -354,7 +355,7 @@ def install(cls: type) -> str:
         # A subclass that loads differently keeps every shard: never prune on a guess.
         if type(self).load_weights is not derived_from:
             return False
-        return rule(self.config, name)
+        return rule.is_unused(self.config, name)
 
     is_unused_checkpoint_weight.__doc__ = f"hybrid-draft rule: {rule.doc}"
     setattr(is_unused_checkpoint_weight, _MARK, True)

@@ -1,4 +1,4 @@
-"""The ``selective`` mode's preflight: can this draft be streamed selectively here?
+"""The ``selective`` mode's host checks: can a draft be streamed selectively on this host?
 
 A selective draft is loaded by the ``instanttensor_selective`` loader (``loaders.py``):
 InstantTensor 0.2.2's ``safe_open(..., tensor_filter=[names], tensor_name_match_mode=
@@ -14,9 +14,6 @@ import inspect
 from typing import Any
 
 import torch
-
-from hybrid_draft import checkpoint
-from hybrid_draft.adapter import calls, rules
 
 #: ``fallback`` codes of a ``selective_fallback`` decision.
 FALLBACKS = (
@@ -59,49 +56,13 @@ def cuda_unavailable(device: Any = None) -> str | None:
     return None
 
 
-def draft_class(model_config: Any) -> type:
-    from vllm.model_executor.model_loader.utils import get_model_architecture
-
-    return get_model_architecture(model_config)[0]
-
-
-def preflight(call: calls.Call) -> tuple[Blocker | None, checkpoint.Selection | None]:
-    """Whether a selective draft load can run here: ((code, why not), None) or (None, plan).
-
-    The plan comes first (a rule and the shard headers): it holds on any host, so a draft
-    that would plan nothing says so even where CUDA is missing.
-    """
-    cls = draft_class(call.model_config)
-    rules.install(cls)
-    # vLLM builds an MTP draft with the target's model config: probe with the config the
-    # built class would hold, not only the draft's rewritten one.
-    is_unused = rules.probe_for(
-        cls, call.vllm_config.model_config.hf_config, call.model_config.hf_config
-    )
-    if is_unused is None:
-        return (
-            "no_rule",
-            f"{cls.__name__} has no checkpoint-weight rule to plan its tensors with",
-        ), None
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
-    lazy = calls.lazy_load_config(call.load_config)
-    _, files, use_safetensors, _ = DefaultModelLoader(lazy)._prepare_weights(
-        call.model_config.model, None, call.model_config.revision, False, None
-    )
-    if not use_safetensors:
-        return ("no_safetensors", "the checkpoint has no safetensors shards"), None
-    plan = checkpoint.select(files, is_unused)
-    if not plan.files:
-        return (
-            "empty_plan",
-            f"the {cls.__name__} rule keeps none of the checkpoint's tensors",
-        ), None
-    device = call.load_config.device or call.vllm_config.device_config.device
+def host_blocker(device: Any = None) -> Blocker | None:
+    """Why selective cannot stream on this host, as ``(fallback code, detail)``, or None:
+    the host's half of the selective preflight (the checkpoint's half is the plan's)."""
     for code, problem in (
         ("no_cuda", cuda_unavailable(device)),
         ("no_tensor_filter", tensor_filter_supported()),
     ):
         if problem:
-            return (code, problem), None
-    return None, plan
+            return code, problem
+    return None

@@ -104,15 +104,23 @@ def dropped(files: Iterable[str]) -> None:
         stats.dropped.update(files)
 
 
-def _counting(get_all_weights: Callable[..., Any]) -> Callable[..., Any]:
+Observer = Callable[[str, Any], None]
+
+
+def _counting(
+    get_all_weights: Callable[..., Any], observer: Callable[[], Observer | None]
+) -> Callable[..., Any]:
     @functools.wraps(get_all_weights)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Generator[Any, None, None]:
         stats = _CURRENT.get()
         if stats is not None and stats.tensors is None:
             stats.tensors = 0
+        observe = observer()
         for item in get_all_weights(self, *args, **kwargs):
             if stats is not None:
                 stats.tensors = (stats.tensors or 0) + 1
+            if observe is not None:
+                observe(*item)
             yield item
 
     return wrapper
@@ -139,14 +147,21 @@ def _dropping(file_filter: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def instrument(default_loader: Any) -> str | None:
+def instrument(
+    default_loader: Any, observer: Callable[[], Observer | None] = lambda: None
+) -> str | None:
     """Install the reporting wraps on vLLM's default loader module; None, or why not.
 
-    Idempotent. A vLLM whose loader has another shape is left untouched: its loads are
-    still timed and their bytes counted, only tensors and shards stay unknown.
+    ``observer`` is asked once per ``get_all_weights`` call for a function that sees every
+    tensor yielded to the model (the one-pass tap), or None. Idempotent. A vLLM whose
+    loader has another shape is left untouched: its loads are still timed and their bytes
+    counted, only tensors and shards stay unknown.
     """
     cls = getattr(default_loader, "DefaultModelLoader", None)
-    wraps = [(cls, "get_all_weights", _counting), (cls, "_prepare_weights", _resolving)]
+    wraps = [
+        (cls, "get_all_weights", lambda f: _counting(f, observer)),
+        (cls, "_prepare_weights", _resolving),
+    ]
     missing = [name for owner, name, _ in wraps if not callable(getattr(owner, name, None))]
     if missing:
         return f"DefaultModelLoader has no {', '.join(missing)}"

@@ -24,45 +24,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan_checkpoint(args: argparse.Namespace) -> int:
-    from hybrid_draft import checkpoint, planning
+    from hybrid_draft import checkpoint, settings
+    from hybrid_draft.adapter import draftplan, drafts
 
     try:
-        shards = checkpoint.read_checkpoint(args.model_dir)
-    except (OSError, checkpoint.CheckpointError) as exc:
+        plan = draftplan.for_model_dir(args.model_dir, trust_remote_code=args.trust_remote_code)
+    except (OSError, checkpoint.CheckpointError, drafts.PlanError) as exc:
         print(f"hybrid-draft plan: {exc}", file=sys.stderr)
         return 2
-    from hybrid_draft.adapter import checks, drafts
-
-    try:
-        draft = drafts.mtp_draft(args.model_dir, trust_remote_code=args.trust_remote_code)
-    except drafts.PlanError as exc:
-        print(f"hybrid-draft plan: {exc}", file=sys.stderr)
-        return 2
-    try:  # a rule reads the config: one that lacks what it needs fails here
-        is_unused = planning.evaluated(shards, draft.is_unused)
-        vllm_rule = (
-            is_unused
-            if draft.vllm_rule is draft.is_unused
-            else planning.evaluated(shards, draft.vllm_rule)
-        )
-    except Exception as exc:
-        print(
-            f"hybrid-draft plan: {args.model_dir}: the {draft.draft_class} weight rule "
-            f"fails on this config: {type(exc).__name__}: {exc}",
-            file=sys.stderr,
-        )
-        return 2
-    reads = planning.modes(
-        shards,
-        is_unused,
-        vllm_rule,
-        checks.selective_host_blocker(),
-        draft_class=draft.draft_class or "draft",
-    )
-    found = planning.warnings(shards, draft.draft_class, is_unused, draft.mtp_layers, draft.notes)
-    result = planning.report(
-        args.model_dir, draft.draft_class, draft.rule_source, shards, reads, found
-    )
+    current, _ = settings.load_lenient()
+    budget = int(current.hold_budget.value) if current else settings.DEFAULT_HOLD_BUDGET
+    result = plan.report(args.model_dir, hold_budget=budget)
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
 
@@ -86,6 +58,19 @@ def table(result: dict[str, Any]) -> str:
         f"draft class  {result['draft_class']}  (weight rule: {result['rule_source']})",
         f"auto         {auto['action']} ({auto['reason']}) -> {auto['chosen_format']}{filtered}",
     ]
+    replaced = result.get("replaced_by_target") or {}
+    if replaced.get("tensors"):
+        lines.append(
+            f"replaced     by the target: {replaced['tensors']} tensors, "
+            f"{_gb(replaced['bytes'])} ({', '.join(replaced['modules'])}), never read"
+        )
+    one_pass = result["modes"].get("one_pass")
+    if one_pass:
+        stream = one_pass["stream"]
+        lines.append(
+            f"one pass     {stream['tensors']} tensors, {_gb(stream['bytes'])} taken from "
+            f"the target's InstantTensor pass (hold budget {_gb(one_pass['hold_budget'])})"
+        )
     for i, w in enumerate(result.get("warnings", [])):
         lines.append(f"{'warning' if i == 0 else '':<13}{w['code']}: {w['detail']}")
     lines += [

@@ -27,7 +27,17 @@ LOAD_KEYS = (
     "shards",
     "checkpoint_shards",
     "checkpoint_bytes",
+    "sources",
+    "one_pass",
 )
+
+
+#: Where a draft's tensors came from (``sources`` of its ``loaded`` event), in words.
+SOURCES = {
+    "storage": "from storage",
+    "stream": "from the target's stream",
+    "replaced_by_target": "replaced by the target, not read",
+}
 
 
 def read(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -143,6 +153,17 @@ def render(summary: dict[str, Any]) -> str:
                 f"{_bytes(row['bytes_read']):>13}{_num(row['tensors']):>9}"
                 f"{shards:>10}  {decision}"
             )
+        for row in proc["loads"]:
+            src = row.get("sources")
+            if isinstance(src, dict) and all(isinstance(src.get(k), dict) for k in SOURCES):
+                lines.append(
+                    "  draft sources: "
+                    + ", ".join(
+                        f"{_num(src[k].get('tensors'))} tensors ({_bytes(src[k].get('bytes'))}) "
+                        f"{what}"
+                        for k, what in SOURCES.items()
+                    )
+                )
         for row in proc["loads"]:
             s = row.get("vs_full_pass")
             if not s:

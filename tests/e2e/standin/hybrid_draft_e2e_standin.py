@@ -7,7 +7,8 @@ calls ``instanttensor.safe_open``. Copy (or bind-mount) this module and
 Python process started there (vLLM's API server, engine core, workers), the ``.pth`` puts a
 post-import finder on ``sys.meta_path`` which, once ``weight_utils`` has executed, replaces
 its ``instanttensor_weights_iterator`` (and the name ``default_loader`` binds) by one that
-reads the same files with vLLM's own lazy safetensors iterator. Nothing else in vLLM, and
+reads the same files as InstantTensor does, every byte of every shard, each tensor a copy
+(vLLM's own safetensors iterator, strategy ``eager``). Nothing else in vLLM, and
 nothing of hybrid-draft, is replaced. On a CUDA platform it calls the real iterator.
 
 It never goes into the wheel or an image. Every call is recorded, one JSON line each, in
@@ -68,8 +69,9 @@ def make_standin(weight_utils: Any) -> Any:
             model_dir=os.path.dirname(os.path.abspath(files[0])) if files else None,
             local_expert_ids=sorted(local_expert_ids) if local_expert_ids else None,
         )
+        # As InstantTensor does: every byte of every shard read, every tensor a copy.
         return weight_utils.safetensors_weights_iterator(
-            files, use_tqdm_on_load, "lazy", local_expert_ids
+            files, use_tqdm_on_load, "eager", local_expert_ids
         )
 
     instanttensor_weights_iterator.__wrapped__ = real  # type: ignore[attr-defined]

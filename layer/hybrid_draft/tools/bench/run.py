@@ -2,10 +2,13 @@
 storage's physical limit, plus the layer's start-up cost. Prints a table, writes
 ``OUT/bench.json`` and ``OUT/bench.png``. A benchmark, not a test: it asserts nothing.
 
-The checkpoint is a synthetic DeepSeek-V3-style MoE export (MLA attention, routed and
-shared experts, one MTP layer at the end, the shared embedding in the first shard), with
-tensors of 4 to 64 MiB, shards of about 1 GiB and the draft at about 4 % of the bytes. The
-draft's tensors are those ``DeepSeekMTP`` loads, by the rule hybrid-draft installs.
+The checkpoint is a synthetic DeepSeek-V3 export in DeepSeek-V3's own proportions: 61
+layers and one MTP layer (MLA attention, routed and shared experts), and an embedding, LM
+head, MTP embedding and MTP shared head each as large a share of the bytes as in the real
+checkpoint (its ``config.json`` and index: 17.28 of 688.6 GB are the draft's, 5.56 GB of
+those the three tensors vLLM replaces with the target's). Tensors of 1 to 16 MiB, shards
+of about 1 GiB. The draft's tensors are those ``DeepSeekMTP`` loads, by the rule
+hybrid-draft installs; ``proportions`` in ``bench.json`` gives both sets of shares.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 DRAFT_NAMES = "bench-draft-tensors.json"
-NEEDS_VLLM = ("lazy", "lazy_pruned", "auto", "selective")
+NEEDS_VLLM = ("lazy", "lazy_pruned", "auto", "selective", "one_pass")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,15 +62,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # --- the checkpoint ---------------------------------------------------------------------
 
 
-def _dims(hidden: int) -> dict[str, int]:
+#: The model whose proportions the checkpoint copies, and the synth preset of its layout.
+MODEL = "DeepSeek-V3"
+
+
+def shares(layout: Any) -> dict[str, float]:
+    """A DeepSeek-V3 layout's shares of the checkpoint's bytes: the draft's own tensors
+    (its MTP layer but the embedding and shared head) and each replaced one."""
+    from hybrid_draft.planning import shared_kind
+
+    draft = set(layout.is_mtp) | {"model.embed_tokens.weight"}
+    sizes = {t.name: t.nbytes for t in layout.tensors}
+    replaced = [n for n in draft if shared_kind(n)]
+    return {
+        "draft": sum(sizes[n] for n in draft) / layout.nbytes,
+        "own": sum(sizes[n] for n in draft if n not in replaced) / layout.nbytes,
+        "replaced": sum(sizes[n] for n in replaced) / layout.nbytes,
+        "replaced_tensors": len(replaced),
+    }
+
+
+def _dims(hidden: int, moe: int, vocab: int) -> dict[str, int]:
+    """DeepSeek-V3's structure at another width: its 61 layers, 3 of them dense, MLA ranks
+    and dense width in its ratios to the hidden size, 8 routed experts of width ``moe``."""
     return dict(
         hidden_size=hidden,
-        vocab_size=hidden,
-        intermediate_size=hidden,
-        moe_intermediate_size=hidden // 8,
+        vocab_size=vocab,
+        intermediate_size=hidden * 18432 // 7168,
+        moe_intermediate_size=moe,
+        num_hidden_layers=61,
         num_attention_heads=max(1, hidden // 128),
-        q_lora_rank=hidden * 3 // 8,
-        kv_lora_rank=hidden // 8,
+        q_lora_rank=max(16, hidden * 1536 // 7168),
+        kv_lora_rank=max(16, hidden * 512 // 7168),
         qk_nope_head_dim=128,
         qk_rope_head_dim=64,
         v_head_dim=128,
@@ -76,21 +102,30 @@ def _dims(hidden: int) -> dict[str, int]:
         num_experts_per_tok=2,
         n_group=1,
         topk_group=1,
-        first_k_dense_replace=1,
+        first_k_dense_replace=3,
     )
 
 
-def bench_layout(size_bytes: int) -> Any:
-    """A DeepSeek-V3-style layout of about ``size_bytes``: the widest that has 8+ layers."""
+def synth_full() -> Any:
     from hybrid_draft.tools import synth
 
-    for hidden in (4096, 2048, 1024, 512, 256):
-        dims = _dims(hidden)
-        two = synth.deepseek_v3("tiny", **dims, num_hidden_layers=2).nbytes
-        per_layer = synth.deepseek_v3("tiny", **dims, num_hidden_layers=3).nbytes - two
-        layers = round((size_bytes - two) / per_layer) + 2
-        if layers >= 8 or hidden == 256:
-            return synth.deepseek_v3("tiny", **dims, num_hidden_layers=max(layers, 2))
+    return synth.deepseek_v3("full", fp8=True)
+
+
+def bench_layout(size_bytes: int) -> Any:
+    """A DeepSeek-V3 layout of about ``size_bytes`` in the real checkpoint's proportions:
+    the expert width sets the size, the vocabulary the replaced tensors' share."""
+    from hybrid_draft.tools import synth
+
+    real = shares(synth_full())
+    per_embedding = real["replaced"] / real["replaced_tensors"]
+    for hidden in (2048, 1024, 512, 256, 128):
+        vocab = max(64, round(per_embedding * size_bytes / (hidden * 2)))
+        small = synth.deepseek_v3("tiny", **_dims(hidden, 16, vocab)).nbytes
+        large = synth.deepseek_v3("tiny", **_dims(hidden, 32, vocab)).nbytes
+        moe = round(16 + 16 * (size_bytes - small) / (large - small))
+        if moe >= 16 or hidden == 128:
+            return synth.deepseek_v3("tiny", **_dims(hidden, max(16, moe // 16 * 16), vocab))
     raise AssertionError("unreachable")
 
 
@@ -100,7 +135,7 @@ def prepare_checkpoint(directory: Path, size_gib: float) -> Path:
 
     stamp = directory / "bench-layout.json"
     want = {"size_gib": size_gib, "version": LAYOUT_VERSION}
-    if stamp.is_file() and json.loads(stamp.read_text()) == want:
+    if stamp.is_file() and json.loads(stamp.read_text()).items() >= want.items():
         return directory
     size = int(size_gib * GIB)
     layout = bench_layout(size)
@@ -111,7 +146,7 @@ def prepare_checkpoint(directory: Path, size_gib: float) -> Path:
     # What DeepSeekMTP loads, from the layout: used where vLLM is not installed.
     draft = sorted(layout.is_mtp | {"model.embed_tokens.weight"})
     (directory / DRAFT_NAMES).write_text(json.dumps(draft))
-    stamp.write_text(json.dumps(want))
+    stamp.write_text(json.dumps({**want, "shares": shares(layout)}))
     return directory
 
 
@@ -125,41 +160,53 @@ def vllm_available() -> bool:
 
 
 def draft_plan(directory: Path) -> dict[str, Any]:
-    """The draft's tensors by vLLM's draft class and rule (or, without vLLM, the layout's)."""
+    """The draft's tensors by the product's own plan (vLLM's draft class and rule), or,
+    without vLLM, the names the layout recorded for DeepSeekMTP."""
     from hybrid_draft import checkpoint, planning
 
-    shards = checkpoint.read_checkpoint(directory)
     if vllm_available():
-        from hybrid_draft.adapter import drafts
+        from hybrid_draft.adapter import draftplan
 
-        draft = drafts.mtp_draft(str(directory))
-        if draft.is_unused is None:
-            raise SystemExit(f"{directory}: the draft class {draft.draft_class} has no rule")
-        unused, draft_class, source = draft.is_unused, draft.draft_class, draft.rule_source
-    else:  # e.g. a bare GPU machine: the names the layout recorded for DeepSeekMTP
+        plan = draftplan.for_model_dir(str(directory))
+        if plan.is_unused is None:
+            raise SystemExit(f"{directory}: the draft class {plan.draft_class} has no rule")
+    else:  # e.g. a bare GPU machine: the names the layout recorded, the replaced by name
         wanted = set(json.loads((directory / DRAFT_NAMES).read_text()))
-        unused = lambda name: name not in wanted  # noqa: E731
-        draft_class, source = "DeepSeekMTP", "layout"
-    reads = planning.modes(shards, unused, None)
-    kept = [(s, t) for s in shards for t in s.tensors if not unused(t.name)]
-    ranges = [(str(s.path), t.start, t.end, t.name) for s, t in kept]
-    meta = {t.name: (t.dtype, list(t.shape)) for _, t in kept}
-    by_name = {s.name: str(s.path) for s in shards}
+        plan = planning.DraftPlan(
+            tuple(checkpoint.read_checkpoint(directory)),
+            draft_class="DeepSeekMTP",
+            rule_source="layout",
+            rule=lambda name: name not in wanted,
+            shared=frozenset(planning.SHARED_KINDS),
+        )
+    reads = plan.modes()
+    own = [t for t in plan.kept if t.name not in plan.replaced]
+    paths = {t.name: str(s.path) for s in plan.shards for t in s.tensors}
+    by_name = {s.name: str(s.path) for s in plan.shards}
     return {
         "model_dir": str(directory),
-        "draft_class": draft_class,
-        "rule_source": source,
-        "files_all": [str(s.path) for s in shards],
+        "draft_class": plan.draft_class,
+        "rule_source": plan.rule_source,
+        "files_all": [str(s.path) for s in plan.shards],
         "files_pruned": [by_name[n] for n in reads["lazy_pruned"].shards],
-        "tensor_ranges": ranges,
-        "meta": meta,
+        "files_own": [by_name[n] for n in reads["auto"].shards],
+        # (path, start, end, name) of every tensor the draft reads (all it keeps but the
+        # replaced ones), and the shapes of every tensor it keeps
+        "tensor_ranges": [(paths[t.name], t.start, t.end, t.name) for t in own],
+        "kept_ranges": [(paths[t.name], t.start, t.end, t.name) for t in plan.kept],
+        "replaced": sorted(plan.replaced),
+        "meta": {t.name: (t.dtype, list(t.shape)) for t in plan.kept},
         "checkpoint": {
-            "shards": len(shards),
-            "tensors": sum(len(s.tensors) for s in shards),
-            "bytes": sum(s.nbytes for s in shards),
-            "draft_bytes": reads["selective"].nbytes,
-            "draft_tensors": reads["selective"].tensors,
-            "draft_shards": len(reads["selective"].shards),
+            "shards": len(plan.shards),
+            "tensors": plan.all_tensors,
+            "bytes": plan.all_bytes,
+            "draft_bytes": sum(t.nbytes for t in plan.kept),
+            "draft_tensors": len(plan.kept),
+            "draft_shards": len(reads["lazy_pruned"].shards),
+            "own_bytes": sum(t.nbytes for t in own),
+            "own_tensors": len(own),
+            "replaced_bytes": sum(t.nbytes for t in plan.kept) - sum(t.nbytes for t in own),
+            "replaced_tensors": len(plan.replaced),
         },
     }
 
@@ -190,7 +237,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     seconds = raw["seconds"]
     median = statistics.median(seconds)
     i = min(range(len(seconds)), key=lambda k: abs(seconds[k] - median))
-    return {
+    out = {
         "seconds": seconds,
         "median_seconds": median,
         "min_seconds": min(seconds),
@@ -203,6 +250,22 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "cold": all(raw["cold"]),
         "gb_per_s": raw["bytes_read"][i] / median / 1e9 if median > 0 else 0.0,
     }
+    if "target_seconds" in raw:  # one pass: the target's pass and the draft's load apart
+        tapped = statistics.median(raw["target_seconds"])
+        untapped = statistics.median(raw["untapped_target_seconds"])
+        out.update(
+            draft_seconds=median,
+            draft_bytes_read=raw["bytes_read"][i],
+            target_seconds=raw["target_seconds"],
+            untapped_target_seconds=raw["untapped_target_seconds"],
+            median_target_seconds=tapped,
+            median_untapped_target_seconds=untapped,
+            tap_overhead=tapped / untapped - 1 if untapped > 0 else None,
+            held_bytes=max(raw["held_bytes"]),
+        )
+    if raw.get("peak_device_bytes"):
+        out["peak_device_bytes"] = max(raw["peak_device_bytes"])
+    return out
 
 
 def _ratios(strategies: dict[str, dict[str, Any]], reference: str, base: str) -> None:
@@ -338,6 +401,11 @@ def main(args: argparse.Namespace) -> int:
         "checkpoint": shared["checkpoint"],
         "draft_class": shared["draft_class"],
         "rule_source": shared["rule_source"],
+        "proportions": {
+            "model": MODEL,
+            "real": shares(synth_full()),
+            "synthetic": json.loads((directory / "bench-layout.json").read_text()).get("shares"),
+        },
         "runs": args.runs,
         "machine": machine(),
         "strategies": {},
@@ -368,7 +436,9 @@ def print_report(result: dict[str, Any]) -> None:
         f"\ncheckpoint: {ck['shards']} shards, {ck['tensors']} tensors, "
         f"{_fmt_bytes(ck['bytes'])}; draft ({result['draft_class']}, rule: "
         f"{result['rule_source']}): {ck['draft_tensors']} tensors in {ck['draft_shards']} "
-        f"shards, {_fmt_bytes(ck['draft_bytes'])} ({ck['draft_bytes'] / ck['bytes']:.1%})"
+        f"shards, {_fmt_bytes(ck['draft_bytes'])} ({ck['draft_bytes'] / ck['bytes']:.1%}), "
+        f"of which vLLM replaces {ck['replaced_tensors']} ({_fmt_bytes(ck['replaced_bytes'])})"
+        f" and the draft reads {_fmt_bytes(ck['own_bytes'])}"
     )
     if result["strategies"]:
         print("\nCPU, cold page cache, median of", result["runs"], "runs:")
@@ -376,6 +446,22 @@ def print_report(result: dict[str, Any]) -> None:
     if result.get("gpu_strategies"):
         print("\nGPU (CUDA), cold page cache:")
         print(table(result, "gpu_strategies"))
+    for key in ("strategies", "gpu_strategies"):
+        for name, s in (result.get(key) or {}).items():
+            if "tap_overhead" in s:
+                print(
+                    f"{name}: the draft's load {s['draft_seconds']:.3f} s, "
+                    f"{_fmt_bytes(s['draft_bytes_read'])} from storage, "
+                    f"{_fmt_bytes(s['held_bytes'])} held; the target's pass "
+                    f"{s['median_target_seconds']:.3f} s tapped, "
+                    f"{s['median_untapped_target_seconds']:.3f} s untapped "
+                    f"({s['tap_overhead']:+.1%})"
+                    + (
+                        f"; device peak {_fmt_bytes(s['peak_device_bytes'])}"
+                        if "peak_device_bytes" in s
+                        else ""
+                    )
+                )
     st = result.get("startup", {})
     if "added_median" in st:
         print(

@@ -8,15 +8,22 @@ worker reports its peak RSS. One process per strategy keeps the RSS figures apar
 
 CPU strategies: ``full_pass`` (every byte of every shard, as a second InstantTensor pass
 reads), ``lazy`` and ``lazy_pruned`` (vLLM's real ``safetensors_weights_iterator``, a
-consumer that copies only the draft's tensors into preallocated buffers, all shards or the
+consumer that copies the draft's tensors into preallocated buffers, all shards or the
 pruned ones: stock vLLM and the original mod), ``auto`` (the product's own default path for
-a same-checkpoint draft: the ``safetensors_filtered`` loader mode ``auto`` switches the
-draft to, driven through its ``get_all_weights`` with the draft class's rule), ``selective``
-(mode ``selective`` as it runs on this host: its InstantTensor loader with CUDA, else the
-very ``auto`` path it falls back to), and ``limit`` (one sequential pass over exactly the
-draft's byte ranges, merged: the storage's floor).
+a same-checkpoint draft loaded on its own: the ``safetensors_filtered`` loader mode
+``auto`` switches the draft to, driven through its ``get_all_weights`` with the plan's
+selection, the tensors vLLM replaces skipped), ``selective`` (mode ``selective`` as it runs
+on this host: its InstantTensor loader with CUDA, else the very ``auto`` path it falls
+back to), ``limit`` (one sequential pass over exactly the byte ranges the draft reads,
+merged: the storage's floor) and ``one_pass`` (the target's pass through vLLM's
+``DefaultModelLoader`` with the product's tap keeping the draft's tensors, then the draft's
+load from them by the product's loader; vLLM's InstantTensor iterator, which needs CUDA, is
+stood in for by a reader that streams each shard whole and yields copies, as InstantTensor
+does with ``copy=True``; each run also times the same target pass untapped).
 GPU strategies (CUDA only): ``it_full`` and ``it_selective`` (InstantTensor without and
-with ``tensor_filter``) and ``lazy_to_gpu`` (lazy safetensors, then a copy to the device).
+with ``tensor_filter``), ``lazy_to_gpu`` (lazy safetensors, then a copy to the device) and
+``it_one_pass`` (InstantTensor's full pass keeping the draft's tensors on the device, then
+the draft's parameters filled from them; with the device's peak memory).
 """
 
 from __future__ import annotations
@@ -31,8 +38,8 @@ from typing import Any
 from hybrid_draft.tools.bench import pagecache
 
 CHUNK = 64 << 20
-CPU_STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "auto", "selective", "limit")
-GPU_STRATEGIES = ("it_full", "it_selective", "lazy_to_gpu")
+CPU_STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "auto", "selective", "limit", "one_pass")
+GPU_STRATEGIES = ("it_full", "it_selective", "lazy_to_gpu", "it_one_pass")
 TORCH_DTYPES = {
     "BF16": "bfloat16",
     "F16": "float16",
@@ -65,13 +72,15 @@ def full_pass(spec: dict[str, Any]) -> Callable[[], None]:
     return run
 
 
-def _buffers(spec: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
-    """Destination tensors, allocated and touched before timing (as a loaded model's are)."""
+def _buffers(spec: dict[str, Any], device: str = "cpu", names: Any = None) -> dict[str, Any]:
+    """Destination tensors, allocated and touched before timing (as a loaded model's are):
+    for every tensor the draft keeps, or for ``names``."""
     import torch
 
     return {
         name: torch.zeros(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=device)
         for name, (dtype, shape) in spec["meta"].items()
+        if names is None or name in names
     }
 
 
@@ -92,16 +101,43 @@ def _lazy(files_key: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
     return make
 
 
-def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
+def _plan(spec: dict[str, Any]) -> Any:
+    from hybrid_draft.adapter import draftplan
+
+    return draftplan.for_model_dir(spec["model_dir"])
+
+
+def _draft_reader(plan: Any, load_format: str, device: str, held: Any = None) -> Callable[[], Any]:
     """One of hybrid-draft's registered draft loaders, driven as vLLM drives it for the
-    draft: ``get_all_weights`` with the draft class's rule, every tensor copied in."""
+    draft: ``get_all_weights`` with the plan's read (the replaced tensors skipped, as its
+    ``load_weights`` decides for DeepSeekMTP) and, for one pass, the hold."""
+    from types import SimpleNamespace
+
+    from vllm.config.load import LoadConfig
+
+    from hybrid_draft.adapter import loaders
+
+    loader = loaders._loader_classes()[load_format](
+        LoadConfig(load_format=load_format, device=device, use_tqdm_on_load=False)
+    )
+    model = SimpleNamespace(is_unused_checkpoint_weight=plan.is_unused)
+    model_config = SimpleNamespace(model=str(plan.shards[0].path.parent), revision=None)
+
+    def weights() -> Any:
+        read = loaders.DraftRead(plan=plan, hold=held() if callable(held) else held)
+        read.skipped = dict(plan.replaced)
+        read.sources = {k: {"tensors": 0, "bytes": 0} for k in ("storage", "stream")}
+        loader.draft = read
+        return loader.get_all_weights(model_config, model)
+
+    return weights
+
+
+def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
+    """The product's draft load, every tensor copied into the draft's buffers."""
 
     def make(spec: dict[str, Any]) -> Callable[[], None]:
-        from types import SimpleNamespace
-
-        from vllm.config.load import LoadConfig
-
-        from hybrid_draft.adapter import drafts, loaders, selective
+        from hybrid_draft.adapter import loaders, selective
 
         if load_format == loaders.SELECTIVE and selective.cuda_unavailable() is not None:
             spec["ran"] = f"auto ({selective.cuda_unavailable()})"
@@ -112,18 +148,11 @@ def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]
                 load_format,
                 ("cpu" if load_format == loaders.FILTERED else spec["device"]),
             )
-        rule = drafts.mtp_draft(spec["model_dir"]).is_unused
-        if rule is None:
-            raise SystemExit(f"{spec['model_dir']}: the draft class has no rule")
-        loader = loaders._loader_classes()[fmt](
-            LoadConfig(load_format=fmt, device=device, use_tqdm_on_load=False)
-        )
-        model = SimpleNamespace(is_unused_checkpoint_weight=rule)
-        model_config = SimpleNamespace(model=spec["model_dir"], revision=None)
-        buffers = _buffers(spec, device)
+        weights = _draft_reader(_plan(spec), fmt, device)
+        buffers = _buffers(spec, device, {r[3] for r in spec["tensor_ranges"]})
 
         def run() -> None:
-            for name, tensor in loader.get_all_weights(model_config, model):
+            for name, tensor in weights():
                 buffers[name].copy_(tensor)
             if device != "cpu":
                 _cuda_sync()
@@ -133,7 +162,113 @@ def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]
     return make
 
 
+def stream_whole_shards(files: list[str], *_args: Any, **_kwargs: Any) -> Any:
+    """Stands in for vLLM's ``instanttensor_weights_iterator`` (CUDA only) on the CPU: each
+    shard read whole in large reads, every tensor yielded as a copy of its own (InstantTensor
+    with ``copy=True``)."""
+    import json as _json
+    import struct
+
+    import torch
+
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = _json.loads(f.read(size))
+            data = bytearray(os.fstat(f.fileno()).st_size - 8 - size)
+            view, done = memoryview(data), 0
+            while done < len(data):
+                n = f.readinto(view[done : done + CHUNK])
+                if not n:
+                    raise OSError(f"{path}: short read")
+                done += n
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            dtype = getattr(torch, TORCH_DTYPES[meta["dtype"]])
+            tensor = (
+                torch.frombuffer(
+                    data, dtype=dtype, count=(end - start) // dtype.itemsize, offset=start
+                )
+                if end > start
+                else torch.empty(0, dtype=dtype)
+            )
+            yield name, tensor.view(meta["shape"]).clone()
+
+
+def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
+    """The target's pass with the product's tap, then the draft's load from the hold; and
+    the same target pass untapped, alternating, every run cold."""
+    from types import SimpleNamespace
+
+    import vllm.model_executor.model_loader.default_loader as default_loader
+    from vllm.config.load import LoadConfig
+
+    from hybrid_draft import settings
+    from hybrid_draft.adapter import hold, loaders, patch
+
+    plan = _plan(spec)
+    default_loader.instanttensor_weights_iterator = stream_whole_shards
+    target = default_loader.DefaultModelLoader(
+        LoadConfig(load_format="instanttensor", device="cpu", use_tqdm_on_load=False)
+    )
+    target_model = SimpleNamespace()  # the target reads every tensor
+    model_config = SimpleNamespace(model=spec["model_dir"], revision=None)
+    own = [t for t in plan.kept if t.name not in plan.replaced]
+    budget = settings.DEFAULT_HOLD_BUDGET
+    wanted = frozenset(t.name for t in plan.holdable(budget))
+    current: list[Any] = [None]
+    draft = _draft_reader(plan, loaders.FILTERED, "cpu", held=lambda: current[0])
+    buffers = _buffers(spec, "cpu", {t.name for t in own})
+    files = spec["files_all"]
+
+    def target_pass(tap: bool) -> tuple[float, int, Any]:
+        held = hold.Hold(plan, None, wanted, budget) if tap else None
+        token = patch._LOAD.set(patch.Load(role="target", tap=held))
+        before, start = pagecache.read_bytes(), time.perf_counter()
+        try:
+            for _ in target.get_all_weights(model_config, target_model):
+                pass
+        finally:
+            patch._LOAD.reset(token)
+        return time.perf_counter() - start, pagecache.read_bytes() - before, held
+
+    out: dict[str, Any] = {
+        "seconds": [],
+        "bytes_read": [],
+        "resident_bytes": [],
+        "cold": [],
+        "target_seconds": [],
+        "untapped_target_seconds": [],
+        "held_bytes": [],
+        "rss_before": pagecache.rss(),
+    }
+    for i in range(spec["runs"]):
+        for tapped in (i % 2 == 0, i % 2 != 0):
+            out["cold"].append(pagecache.evict(files) == 0)
+            seconds, _, held = target_pass(tapped)
+            if not tapped:
+                out["untapped_target_seconds"].append(seconds)
+                continue
+            out["target_seconds"].append(seconds)
+            out["held_bytes"].append(held.peak_bytes)
+            current[0] = held
+            before, start = pagecache.read_bytes(), time.perf_counter()
+            for name, tensor in draft():
+                buffers[name].copy_(tensor)
+            out["seconds"].append(time.perf_counter() - start)
+            out["bytes_read"].append(pagecache.read_bytes() - before)
+            out["resident_bytes"].append(pagecache.resident_bytes(files))
+            held.release("the bench's draft load ended")
+            current[0] = None
+    out["peak_rss"] = pagecache.peak_rss()
+    out["ran"] = "tap + safetensors_filtered"
+    return out
+
+
 def limit(spec: dict[str, Any]) -> Callable[[], None]:
+    """One sequential read of the byte ranges the draft reads (adjacent ones merged)."""
     merged: list[list[Any]] = []
     for path, start, end, _ in spec["tensor_ranges"]:
         if merged and merged[-1][0] == path and merged[-1][2] == start:
@@ -171,7 +306,7 @@ def it_full(spec: dict[str, Any], names: list[str] | None = None) -> Callable[[]
         files = spec["files_all"]
         if names is not None:
             kwargs = {"tensor_filter": list(names), "tensor_name_match_mode": "exact"}
-            files = spec["files_pruned"]
+            files = spec["files_own"]
         with instanttensor.safe_open(
             list(files),
             framework="pt",
@@ -194,10 +329,10 @@ def it_selective(spec: dict[str, Any]) -> Callable[[], None]:
 def lazy_to_gpu(spec: dict[str, Any]) -> Callable[[], None]:
     from safetensors import safe_open
 
-    buffers = _buffers(spec, spec["device"])
+    buffers = _buffers(spec, spec["device"], {r[3] for r in spec["tensor_ranges"]})
 
     def run() -> None:
-        for path in spec["files_pruned"]:
+        for path in spec["files_own"]:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     if name in buffers:
@@ -207,6 +342,66 @@ def lazy_to_gpu(spec: dict[str, Any]) -> Callable[[], None]:
     return run
 
 
+def it_one_pass(spec: dict[str, Any]) -> dict[str, Any]:
+    """On the GPU: InstantTensor's full pass keeping the draft's tensors (the tap's work: a
+    dictionary of references), then the draft's buffers filled from them; the untapped pass
+    alternating; the device's peak memory for each."""
+    import instanttensor
+    import torch
+
+    wanted = {r[3] for r in spec["tensor_ranges"]}
+    out: dict[str, Any] = {
+        "seconds": [],
+        "bytes_read": [],
+        "resident_bytes": [],
+        "cold": [],
+        "target_seconds": [],
+        "untapped_target_seconds": [],
+        "held_bytes": [],
+        "peak_device_bytes": [],
+        "rss_before": pagecache.rss(),
+    }
+    buffers = _buffers(spec, spec["device"], wanted)
+    for i in range(spec["runs"]):
+        for tapped in (i % 2 == 0, i % 2 != 0):
+            out["cold"].append(pagecache.evict(spec["files_all"]) == 0)
+            torch.cuda.reset_peak_memory_stats()
+            held: dict[str, Any] = {}
+            start = time.perf_counter()
+            with instanttensor.safe_open(
+                list(spec["files_all"]),
+                framework="pt",
+                device=spec["device"],
+                process_group=None,
+                copy=True,
+            ) as f:
+                for name, tensor in f.tensors():
+                    if tapped and name in wanted:
+                        held[name] = tensor
+            _cuda_sync()
+            seconds = time.perf_counter() - start
+            if not tapped:
+                out["untapped_target_seconds"].append(seconds)
+                continue
+            out["target_seconds"].append(seconds)
+            out["held_bytes"].append(sum(t.numel() * t.element_size() for t in held.values()))
+            before, start = pagecache.read_bytes(), time.perf_counter()
+            for name in list(held):
+                buffers[name].copy_(held.pop(name))
+            _cuda_sync()
+            out["seconds"].append(time.perf_counter() - start)
+            out["bytes_read"].append(pagecache.read_bytes() - before)
+            out["resident_bytes"].append(pagecache.resident_bytes(spec["files_all"]))
+            out["peak_device_bytes"].append(torch.cuda.max_memory_allocated())
+    out["peak_rss"] = pagecache.peak_rss()
+    return out
+
+
+#: Strategies that time their own phases (one pass: the target's pass, then the draft's).
+PHASED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "one_pass": one_pass,
+    "it_one_pass": it_one_pass,
+}
 STRATEGIES: dict[str, Callable[[dict[str, Any]], Callable[[], None]]] = {
     "full_pass": full_pass,
     "lazy": _lazy("files_all"),
@@ -221,6 +416,8 @@ STRATEGIES: dict[str, Callable[[dict[str, Any]], Callable[[], None]]] = {
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec["strategy"] in PHASED:
+        return PHASED[spec["strategy"]](spec)
     run = STRATEGIES[spec["strategy"]](spec)
     files = spec["files_all"]
     out: dict[str, Any] = {
@@ -230,12 +427,19 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "cold": [],
         "rss_before": pagecache.rss(),
     }
+    gpu = spec["strategy"] in GPU_STRATEGIES
     for _ in range(spec["runs"]):
         left = pagecache.evict(files)
+        if gpu:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
         before = pagecache.read_bytes()
         start = time.perf_counter()
         run()
         out["seconds"].append(time.perf_counter() - start)
+        if gpu:
+            out.setdefault("peak_device_bytes", []).append(torch.cuda.max_memory_allocated())
         out["bytes_read"].append(pagecache.read_bytes() - before)
         out["resident_bytes"].append(pagecache.resident_bytes(files))
         out["cold"].append(left == 0)

@@ -1,0 +1,92 @@
+"""Building a :class:`~hybrid_draft.planning.DraftPlan` from what vLLM resolves.
+
+At load time (:func:`for_call`): the shard files vLLM's own ``DefaultModelLoader`` resolves
+for the draft's model and revision (downloading from the hub as vLLM would), each header
+read once, the class vLLM's registry builds, its checkpoint-weight rule probed with the
+config the built class holds (``rules.probe_for``), what vLLM will replace once it is
+loaded (``sharing.expected``) and whether selective streaming can run on this host. For
+``hybrid-draft plan`` (:func:`for_model_dir`): the same from a model directory, with the
+config read as vLLM reads it and the shards resolved as the layer resolves them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybrid_draft import checkpoint
+from hybrid_draft.adapter import calls, drafts, rules, selective, sharing
+from hybrid_draft.planning import DraftPlan
+
+
+def weight_files(call: calls.Call) -> list[str]:
+    """The safetensors shards vLLM resolves for this model ([] when it has none)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    lazy = calls.lazy_load_config(call.load_config)
+    _, files, use_safetensors, _ = DefaultModelLoader(lazy)._prepare_weights(
+        call.model_config.model, None, call.model_config.revision, False, None
+    )
+    return sorted(files) if use_safetensors else []
+
+
+def device_of(call: calls.Call) -> Any:
+    return call.load_config.device or call.vllm_config.device_config.device
+
+
+def for_call(call: calls.Call) -> DraftPlan | None:
+    """The plan of the draft this call loads (None: it has no safetensors shards)."""
+    files = weight_files(call)
+    if not files:
+        return None
+    shards = tuple(checkpoint.read_files(files))
+    cls = drafts.draft_class(call.model_config)
+    source = rules.install(cls)
+    rule = rules.probe_for(
+        cls, call.vllm_config.model_config.hf_config, call.model_config.hf_config
+    )
+    spec = call.speculative_config
+    architectures = getattr(call.model_config.hf_config, "architectures", None) or [""]
+    shared = sharing.expected(
+        cls,
+        call.vllm_config.parallel_config.pipeline_parallel_size,
+        getattr(spec, "method", None),
+        drafts.is_mtp(str(architectures[0])),
+    )
+    return DraftPlan(
+        shards=shards,
+        draft_class=cls.__name__,
+        rule_source=source,
+        rule=rule,
+        vllm_rule=rule if source == "vllm" else None,
+        shared=shared,
+        mtp_layers=drafts.mtp_layers(call.model_config.hf_config),
+        host_blocker=selective.host_blocker(device_of(call)),
+    )
+
+
+def for_model_dir(model_dir: str, trust_remote_code: bool = False) -> DraftPlan:
+    """The plan of a same-checkpoint MTP draft of ``model_dir`` (for ``hybrid-draft plan``).
+
+    Raises ``checkpoint.CheckpointError`` or ``drafts.PlanError`` (one line each)."""
+    shards = tuple(checkpoint.read_checkpoint(model_dir))
+    draft = drafts.mtp_draft(model_dir, trust_remote_code=trust_remote_code)
+    try:  # a rule reads the config: one that lacks what it needs fails here
+        plan = DraftPlan(
+            shards=shards,
+            draft_class=draft.draft_class,
+            rule_source=draft.rule_source,
+            rule=draft.is_unused,
+            vllm_rule=draft.vllm_rule,
+            shared=draft.shared,
+            mtp_layers=draft.mtp_layers,
+            notes=draft.notes,
+            host_blocker=selective.host_blocker(),
+        )
+        plan.is_unused  # noqa: B018 - evaluate the rule here, once
+        plan.vllm_unused  # noqa: B018
+    except Exception as exc:
+        raise drafts.PlanError(
+            f"{model_dir}: the {draft.draft_class} weight rule fails on this config: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    return plan

@@ -1,0 +1,213 @@
+"""One pass: the draft's tensors taken from the target's InstantTensor stream, and the load scope.
+
+With ``--load-format instanttensor`` the target's pass streams every tensor of every shard
+to the device (vLLM's ``instanttensor_weights_iterator``, ``copy=True``), the draft's own
+tensors included, and the target's ``load_weights`` drops those. When a same-checkpoint
+draft will follow in this process, the layer keeps them as the stream yields them (a
+:class:`Hold`: references to the very tensors vLLM's iterator made, nothing copied, the
+target's load otherwise unchanged tensor for tensor) and the draft's load takes them from
+memory instead of storage. What is held is capped by the ``hold_budget`` setting and by a
+quarter of the memory the target leaves free; what does not fit is read by the filtered
+path. Each rank holds only what its own draft load takes (its experts, under expert
+parallelism); only the last pipeline stage, which alone builds the draft, holds anything.
+
+Holding needs a :func:`scope`: the model runner's ``load_model`` (the layer wraps vLLM's
+GPU, CPU and v2 runners), inside which the target and then the draft are loaded. Held
+tensors are released when the draft's load ends or fails, and at the latest when the
+scope closes (no draft load followed), with a ``hybrid_draft.hold_released`` event. The
+scope also settles the draft's skipped parameters (``sharing.settle``) once the proposer
+has had its chance to replace them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybrid_draft.adapter import sharing
+from hybrid_draft.events import emit
+from hybrid_draft.planning import DraftPlan
+
+#: The share of the memory left after the target's weights that a hold may take.
+FREE_SHARE = 4
+
+
+def nbytes(tensor: Any) -> int:
+    return int(tensor.numel()) * int(tensor.element_size())
+
+
+@dataclass
+class Hold:
+    """The draft's tensors kept from the target's stream, for one draft load."""
+
+    plan: DraftPlan
+    #: The draft this hold is for: vLLM's ``speculative_config.draft_model_config``.
+    draft_model_config: Any
+    #: The names to keep as the stream yields them (the plan's, this rank's, in budget).
+    wanted: frozenset[str]
+    budget: int
+    sink: tuple[str, str | None] | None = None
+    tensors: dict[str, Any] = field(default_factory=dict)
+    held_bytes: int = 0
+    peak_bytes: int = 0
+    taken: int = 0
+    taken_bytes: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    released: bool = False
+
+    def offer(self, name: str, tensor: Any) -> None:
+        """Called for every tensor the target's stream yields: keep the draft's."""
+        if name not in self.wanted or name in self.tensors or self.released:
+            return
+        size = nbytes(tensor)
+        if self.held_bytes + size > self.budget:
+            return
+        self.tensors[name] = tensor
+        self.held_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def take(self, name: str) -> Any:
+        """The held tensor ``name`` (None if it was not held); it is no longer held."""
+        tensor = self.tensors.pop(name, None)
+        if tensor is not None:
+            size = nbytes(tensor)
+            self.held_bytes -= size
+            self.taken += 1
+            self.taken_bytes += size
+        return tensor
+
+    def summary(self) -> dict[str, Any]:
+        """The ``one_pass`` figures of the events."""
+        return {
+            "held_tensors": self.taken + len(self.tensors),
+            "held_bytes": self.taken_bytes + self.held_bytes,
+            "peak_bytes": self.peak_bytes,
+            "budget": self.budget,
+            "held_seconds": round(time.perf_counter() - self.started, 6),
+        }
+
+    def release(self, reason: str) -> None:
+        """Drop every tensor still held (once), saying why."""
+        if self.released:
+            return
+        self.released = True
+        left, left_bytes = len(self.tensors), self.held_bytes
+        self.tensors.clear()
+        self.held_bytes = 0
+        emit(
+            "hybrid_draft.hold_released",
+            sink=self.sink,
+            reason=reason,
+            released_tensors=left,
+            released_bytes=left_bytes,
+            **self.summary(),
+        )
+
+
+@dataclass
+class Scope:
+    """One model runner's ``load_model``: the holds made in it and the skips to settle."""
+
+    holds: list[Hold] = field(default_factory=list)
+    skipped: list[sharing.Skipped] = field(default_factory=list)
+
+    def hold_for(self, draft_model_config: Any) -> Hold | None:
+        return next(
+            (
+                h
+                for h in self.holds
+                if h.draft_model_config is draft_model_config and not h.released
+            ),
+            None,
+        )
+
+    def release(self, reason: str) -> None:
+        for hold in self.holds:
+            hold.release(reason)
+
+    def close(self) -> None:
+        try:
+            for skipped in self.skipped:
+                sharing.settle(skipped)
+        finally:
+            self.release("no draft load followed the target's in this load scope")
+
+
+_SCOPE: ContextVar[Scope | None] = ContextVar("hybrid_draft_load_scope", default=None)
+
+
+def current() -> Scope | None:
+    return _SCOPE.get()
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[Scope]:
+    """A load scope (nested scopes are the outer one): holds live at most this long."""
+    outer = _SCOPE.get()
+    if outer is not None:
+        yield outer
+        return
+    inner = Scope()
+    token = _SCOPE.set(inner)
+    try:
+        yield inner
+    finally:
+        _SCOPE.reset(token)
+        inner.close()
+
+
+def free_memory(device: Any) -> int | None:
+    """Bytes free on ``device`` now: the CUDA allocator's view, else the host's."""
+    try:
+        import torch
+
+        if getattr(device, "type", str(device)).startswith("cuda") and torch.cuda.is_available():
+            return int(torch.cuda.mem_get_info(device)[0])
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # unknown: the budget alone applies
+        return None
+
+
+def effective_budget(setting: int, free: int | None, target_bytes: int) -> int:
+    """The budget for one hold: the setting, capped at a quarter of what the target's
+    weights will leave free (safe on unified-memory hosts, where device memory is RAM)."""
+    if free is None:
+        return setting
+    return max(0, min(setting, (free - target_bytes) // FREE_SHARE))
+
+
+def on_runner(module: Any) -> None:
+    """Post-import hook for vLLM's model runner modules: their ``load_model`` is a scope."""
+    for cls in vars(module).values():
+        if (
+            isinstance(cls, type)
+            and cls.__module__ == module.__name__
+            and "load_model" in vars(cls)
+            and cls.__name__.endswith("ModelRunner")
+        ):
+            wrap_runner(cls)
+
+
+_WRAPPED = "__hybrid_draft_scope__"
+
+
+def wrap_runner(cls: type) -> None:
+    import functools
+
+    original = cls.load_model  # type: ignore[attr-defined]
+    if getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with scope():
+            return original(self, *args, **kwargs)
+
+    setattr(load_model, _WRAPPED, True)
+    cls.load_model = load_model  # type: ignore[attr-defined]
