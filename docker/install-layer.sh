@@ -62,7 +62,8 @@ import re
 import sys
 import sysconfig
 
-MARKER = "# spark-vllm mod: instanttensor-hybrid-draft-loader v1"
+# The original mod's marker line (its v1 writes "... v1") in the file it rewrites.
+MARKER = "# spark-vllm mod: instanttensor-hybrid-draft-loader"
 SELF = "hybrid-draft"
 # PEP 440, as pip parses versions; a distribution whose version is not one is left out of
 # the constraints (pip would refuse the file) but still checked by `compare`.
