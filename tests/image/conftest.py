@@ -217,16 +217,23 @@ def image_cfg(image: Built) -> dict[str, dict[str, Any]]:
     return image_config(image.tag)
 
 
+_PYTHON_INFO: dict[str, dict[str, Any]] = {}
+
+
 def python_info(tag: str) -> dict[str, Any]:
     """What the image's python3 has: its site-packages, version (X.Y), user, and every
-    distribution (name -> version, the first of each name on sys.path, as installers see)."""
-    ctr = buildah.Container(tag, f"python-info-{os.getpid()}")
-    try:
-        out = ctr.run(["python3", "-c", PYTHON_INFO])
-        assert out.returncode == 0, out.stdout + out.stderr
-        return json.loads(out.stdout)
-    finally:
-        ctr.remove()
+    distribution (name -> version, the first of each name on sys.path, as installers see);
+    asked once per image."""
+    key = buildah.image_id(tag)
+    if key not in _PYTHON_INFO:
+        ctr = buildah.Container(tag, f"python-info-{os.getpid()}")
+        try:
+            out = ctr.run(["python3", "-c", PYTHON_INFO])
+            assert out.returncode == 0, out.stdout + out.stderr
+            _PYTHON_INFO[key] = json.loads(out.stdout)
+        finally:
+            ctr.remove()
+    return _PYTHON_INFO[key]
 
 
 PYTHON_INFO = """
