@@ -37,7 +37,7 @@ class Family:
     #: Further files the checkpoint ships (a remote-code config), and engine arguments.
     files: dict[str, str] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
-    #: How the proof runs its load_weights (README's rules table says why): "engine"
+    #: How the proof runs its load_weights (docs/rules.md says why): "engine"
     #: (vLLM's EngineArgs and EagleProposer) or "direct" (the class built from this config,
     #: "plain" or as the config class vLLM registers for its model_type).
     route: str = "engine"

@@ -89,12 +89,17 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
     for line in ("CPU, cold page cache", ".pth cost:", "hook cost:", "bench.json"):
         assert line in proc.stdout, line
 
-    # A second run reuses the checkpoint instead of writing it again.
+    # A second run reuses the checkpoint instead of writing it again; where matplotlib is
+    # absent (as in the image), it prints the table and says the chart needs the extra.
+    no_matplotlib = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from hybrid_draft.tools.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     again = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "hybrid_draft",
+            "-c",
+            no_matplotlib,
             "bench",
             "--size",
             "0.05",
@@ -113,6 +118,11 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
         text=True,
         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
     )
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
     assert "writing a" not in again.stdout
+    assert "CPU, cold page cache" in again.stdout and "limit" in again.stdout
+    assert again.stdout.splitlines()[-2:] == [
+        f"wrote {out / 'bench.json'}",
+        "the chart (bench.png) needs the `bench` extra: pip install 'hybrid-draft[bench]'",
+    ]
     assert list(json.loads((out / "bench.json").read_text())["strategies"]) == ["limit"]

@@ -108,3 +108,56 @@ def test_events_from_many_processes_interleave_whole(tmp_path: Path) -> None:
 def test_sink_is_cached_per_level_and_file() -> None:
     assert events.logger("info", None) is events.logger("info", None)
     assert events.logger("info", None) is not events.logger("debug", None)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory"])
+def test_an_events_file_that_is_not_a_regular_file_is_reported_once_and_never_blocks(
+    kind: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "events.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)  # no reader: a blocking open would wait for ever
+    elif kind == "dev_zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.mkdir()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from hybrid_draft.events import emit\n"
+            "for i in range(3): emit('hybrid_draft.x', i=i)\nprint('ok')",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HYBRID_DRAFT_EVENTS_FILE": str(path)},
+        timeout=120,
+    )
+    assert out.stdout.strip() == "ok"
+    records = [json.loads(line) for line in out.stderr.splitlines()]
+    assert [r["event"] for r in records] == [
+        "hybrid_draft.x",
+        "hybrid_draft.events_file_error",
+        "hybrid_draft.x",
+        "hybrid_draft.x",
+    ]
+    assert records[1]["detail"].endswith(
+        "not a regular file; events go to stderr only"
+    ) and records[1]["events_file"] == str(path)
+
+
+def test_an_event_that_cannot_be_rendered_is_still_written(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    loop: list[object] = []
+    loop.append(loop)
+    events.emit("hybrid_draft.x", sink=("info", None), value=loop)  # JSON cannot hold a cycle
+    events.emit("hybrid_draft.y", "loud", sink=("info", None))  # no such level
+    events.emit("hybrid_draft.z", sink=("chatty", None))  # no such sink level
+    records = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(r["event"], r["event_error"].split(":")[0]) for r in records] == [
+        ("hybrid_draft.x", "ValueError"),
+        ("hybrid_draft.y", "AttributeError"),
+        ("hybrid_draft.z", "KeyError"),
+    ]
+    assert all({"timestamp", "pid", "level"} <= r.keys() for r in records)

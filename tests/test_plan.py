@@ -469,8 +469,8 @@ def test_plan_runs_checkpoint_code_only_when_trusted(mimo: Path, tmp_path: Path)
     """A ``configuration_mimo.py`` beside the config, which leaves a mark when it runs."""
     model = tmp_path / "mimo"
     model.mkdir()
-    for f in mimo.iterdir():
-        (model / f.name).symlink_to(f)
+    for f in mimo.iterdir():  # hard links: a symbolic link out of the checkpoint is refused
+        os.link(f, model / f.name)
     mark = tmp_path / "configuration-code-ran"
     (model / "configuration_mimo.py").write_text(
         "import pathlib\n"

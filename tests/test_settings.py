@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -189,3 +191,60 @@ def test_config_command(tmp_path: Path) -> None:
     )
     assert bad.returncode != 0
     assert "INSTANTTENSOR_DRAFT_LOADER" in bad.stderr and ACCEPTED_MODES in bad.stderr
+
+
+def _fifo(p: Path) -> Path:
+    os.mkfifo(p)
+    return p
+
+
+def _dev_zero(p: Path) -> Path:
+    p.symlink_to("/dev/zero")
+    return p
+
+
+def _huge(p: Path) -> Path:
+    with open(p, "wb") as f:
+        f.truncate(settings.CONFIG_LIMIT + 1)
+    return p
+
+
+def _deep(p: Path) -> Path:
+    p.write_text("[draft]\nmode = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    return p
+
+
+def _under_a_file(p: Path) -> Path:
+    p.write_text("")
+    return p / "hybrid-draft.toml"
+
+
+@pytest.mark.parametrize(
+    ("make", "detail"),
+    [
+        (_fifo, "cannot read the config file: a FIFO, not a regular file"),
+        (_dev_zero, "cannot read the config file: a character device, not a regular file"),
+        (_huge, "over the limit of 1,048,576 bytes"),
+        (_deep, "invalid TOML: nested too deeply to parse"),
+        (_under_a_file, "cannot read the config file: Not a directory"),
+    ],
+)
+def test_every_failure_of_the_file_is_a_config_error_naming_it(
+    make: Any, detail: str, tmp_path: Path
+) -> None:
+    path = make(tmp_path / "c.toml")
+    with pytest.raises(ConfigError) as info:
+        settings.load({"HYBRID_DRAFT_CONFIG": str(path)})
+    assert info.value.source == str(path) and detail in info.value.detail
+    assert "\n" not in str(info.value)
+
+
+def test_a_long_or_odd_value_is_shown_short_and_on_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        settings.load(
+            {
+                "HYBRID_DRAFT_CONFIG": str(tmp_path / "none.toml"),
+                "INSTANTTENSOR_DRAFT_LOADER": "x\n" * 10_000,
+            }
+        )
+    assert "\n" not in str(info.value) and len(str(info.value)) < 300

@@ -109,6 +109,9 @@ def test_the_skipped_tensors_are_exactly_those_feeding_replaced_modules(
         draft, *_ = load_directly(model, f, deepseek, destinations)
     else:
         draft, *_ = load_through_vllm(model, f, monkeypatch)
+    from hybrid_draft.adapter import rules
+
+    rules.install(type(draft))  # (the direct route builds the class without the layer)
     kept = rule_keeps(model, draft)
     skipped, truth = skipped_vs_truth(draft, kept, destinations.params_of(draft))
     assert skipped == truth

@@ -4,7 +4,8 @@ It must cost almost nothing and never fail, so it imports only what the interpre
 already loaded and does one thing: put a finder at the front of ``sys.meta_path`` that
 notices when vLLM's model loader package is imported. After that module has executed, and
 before anything else can import ``get_model`` from it, the finder hands the module to
-``hybrid_draft.adapter``, which wraps ``get_model``. Processes that never load a model
+``hybrid_draft.adapter``, which wraps ``get_model`` (likewise for the modules in
+:data:`HOOKS` that copy the environment to Ray workers). Processes that never load a model
 (pip, the API server's front end, tools) never import vLLM, torch or structlog through us.
 
 Modelled on virtualenv's ``_virtualenv.py`` and wrapt's post-import hooks. Python 3.15+
@@ -15,13 +16,23 @@ from __future__ import annotations
 
 import sys
 
-#: Modules whose execution triggers a hook, and the hook (``module:function``) to call.
+TYPE_CHECKING = False  # typing is not imported at start-up; type checkers take this as True
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+
+#: Modules whose execution triggers a hook, and the hook (``module:function``) to call:
+#: the model loader's ``get_model``, the model runners, and vLLM's two ways of handing the
+#: environment to Ray workers (``adapter/ray_env.py``), so the settings reach every node.
 HOOKS = {
     "vllm.model_executor.model_loader": "hybrid_draft.adapter.patch:on_model_loader",
     # The model runners' load_model: the scope a one-pass hold lives in.
     "vllm.v1.worker.gpu_model_runner": "hybrid_draft.adapter.hold:on_runner",
     "vllm.v1.worker.cpu_model_runner": "hybrid_draft.adapter.hold:on_runner",
     "vllm.v1.worker.gpu.model_runner": "hybrid_draft.adapter.hold:on_runner",
+    "vllm.ray.ray_env": "hybrid_draft.adapter.ray_env:on_ray_env",
+    "vllm.v1.executor.ray_env_utils": "hybrid_draft.adapter.ray_env:on_ray_env_utils",
 }
 
 #: Set this variable to a non-empty value other than 0 to keep the layer out of a process.
@@ -84,7 +95,12 @@ class PostImportFinder:
 
     _hybrid_draft_finder = True
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: ModuleType | None = None,
+    ) -> ModuleSpec | None:
         if fullname not in HOOKS:
             return None
         for finder in sys.meta_path:

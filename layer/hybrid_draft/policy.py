@@ -1,7 +1,7 @@
 """The loader policy: what one ``get_model`` call should load with. Pure: no vLLM import.
 
 Inputs are plain values the adapter reads off vLLM's configs; the output is a
-:class:`Decision` whose ``reason`` is one of the stable codes in CONTRACT.md. The rules, in
+:class:`Decision` whose ``reason`` is one of the stable codes in docs/contract.md. The rules, in
 the order they apply:
 
 1. the target model is never touched (``target_model``);

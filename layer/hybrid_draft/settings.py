@@ -1,19 +1,33 @@
-"""Settings: the environment, then the TOML file, then the defaults (CONTRACT.md's table).
+"""Settings: the environment, then the TOML file, then the defaults (docs/contract.md).
 
 Each value keeps where it came from (``env``, ``file`` or ``default``) so that events and
-``hybrid-draft config`` can say it. Bad input raises :class:`ConfigError`, which names the
-source (the variable, or the file and line) and the accepted values. Reading is cheap
-(one small file), so callers read afresh at each model load.
+``hybrid-draft config`` can say it. Every failure of a source raises :class:`ConfigError`,
+which names the source (the variable, or the file and line) and the accepted values: a file
+that is not a regular file (a FIFO, ``/dev/zero``, a directory), one over
+:data:`CONFIG_LIMIT`, one nested too deeply to parse, as much as an unknown key. The hook
+catches exactly that class, so no bad source can switch the layer off in silence. Reading
+is cheap (one small file, never a blocking open), so callers read afresh at each load.
+
+A Ray worker on another host than the driver also gets the driver's effective settings in
+``HYBRID_DRAFT_DRIVER_SETTINGS`` (``adapter/ray_env.py`` puts them there when vLLM starts
+its workers). There they take the place of that host's own file and defaults, so that every
+rank of one server decides alike; a variable set in the worker's own environment still wins.
+On the driver's own host the variable is ignored: the file there is the driver's file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from hybrid_draft import files
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,14 +38,23 @@ MODES = ("auto", "safetensors", "instanttensor", "selective")
 LEVELS = ("debug", "info", "warning", "error")
 
 DEFAULT_CONFIG_PATH = "/etc/hybrid-draft.toml"
+#: The largest config file read (bytes); the documented file is well under 2 kB.
+CONFIG_LIMIT = 1 << 20
 ENV_CONFIG = "HYBRID_DRAFT_CONFIG"
 ENV_MODE = "INSTANTTENSOR_DRAFT_LOADER"
 ENV_LEVEL = "HYBRID_DRAFT_LOG_LEVEL"
 ENV_EVENTS_FILE = "HYBRID_DRAFT_EVENTS_FILE"
 ENV_HOLD_BUDGET = "HYBRID_DRAFT_HOLD_BUDGET"
 ENV_SKIP_REPLACED = "HYBRID_DRAFT_SKIP_REPLACED"
+ENV_DRIVER = "HYBRID_DRAFT_DRIVER_SETTINGS"
+SOURCES = ("env", "file", "default")
 
-#: What the target's InstantTensor pass may keep in memory for the draft (README, "One pass").
+#: The settings that change what a load decides or reads: the fingerprint covers exactly
+#: these. The log level and the events file change only what is reported (and an events
+#: file is often a per-host path), so ranks that load alike keep one fingerprint.
+DECISION_SETTINGS = ("mode", "hold_budget", "skip_replaced")
+
+#: What the target's InstantTensor pass may keep in memory for the draft (docs/design.md).
 DEFAULT_HOLD_BUDGET = 8 << 30
 _UNITS = {
     "": 1,
@@ -50,6 +73,7 @@ _UNITS = {
     "tb": 1000**4,
 }
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
 
 Source = Literal["env", "file", "default"]
 
@@ -81,6 +105,8 @@ class Settings:
     skip_replaced: Value
     config_path: str
     config_exists: bool
+    #: The host whose settings were carried here (``HYBRID_DRAFT_DRIVER_SETTINGS``), if any.
+    carried_from: str | None = None
 
     def values(self) -> dict[str, Value]:
         """Every setting by name, in the order of the config file."""
@@ -88,13 +114,38 @@ class Settings:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape ``hybrid-draft config --json`` prints."""
-        return {
+        out: dict[str, Any] = {
             "config_file": {"path": self.config_path, "exists": self.config_exists},
             "settings": {
                 name: {"value": v.value, "source": v.source, "origin": v.origin}
                 for name, v in self.values().items()
             },
+            "settings_fingerprint": self.fingerprint(),
         }
+        if self.carried_from is not None:
+            out["carried_from"] = self.carried_from
+        return out
+
+    def fingerprint(self) -> str:
+        """A short hash of the values in :data:`DECISION_SETTINGS`: equal on every rank and
+        host whose settings load alike, whichever source each value came from."""
+        values = {name: getattr(self, name).value for name in DECISION_SETTINGS}
+        data = json.dumps(values, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(data.encode()).hexdigest()[:12]
+
+    def carry(self, node: str) -> str:
+        """These settings as the value of ``HYBRID_DRAFT_DRIVER_SETTINGS``, from ``node``."""
+        return json.dumps(
+            {
+                "node": node,
+                "config_file": {"path": self.config_path, "exists": self.config_exists},
+                "settings": {
+                    name: {"value": v.value, "source": v.source, "origin": v.origin}
+                    for name, v in self.values().items()
+                },
+            },
+            sort_keys=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -127,8 +178,8 @@ class Key:
         what = f"{self.dotted!r}" if source != self.env else self.name
 
         def bad() -> ConfigError:
-            shown = raw if isinstance(raw, str) else f"{type(raw).__name__} {raw!r}"
-            return ConfigError(source, f"{shown!r} is not a valid {what}; {self.accepted()}")
+            shown = files.show(raw if isinstance(raw, str) else f"{type(raw).__name__} {raw!r}")
+            return ConfigError(source, f"{shown} is not a valid {what}; {self.accepted()}")
 
         if self.kind == "bool":
             if isinstance(raw, bool):
@@ -139,10 +190,8 @@ class Key:
         if self.kind == "size":
             if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
                 return raw
-            m = (
-                re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", raw)
-                if isinstance(raw, str)
-                else None
+            m = (  # stripped first: no two patterns here can share a character (linear)
+                _SIZE.fullmatch(raw.strip()) if isinstance(raw, str) and len(raw) < 200 else None
             )
             if m is None or m.group(2).lower() not in _UNITS:
                 raise bad()
@@ -151,7 +200,9 @@ class Key:
             kind = (
                 f"a string naming one of {', '.join(self.choices)}" if self.choices else ("a path")
             )
-            raise ConfigError(source, f"{what} must be {kind}, got {type(raw).__name__} {raw!r}")
+            raise ConfigError(
+                source, f"{what} must be {kind}, got {type(raw).__name__} {files.show(raw)}"
+            )
         if self.kind == "choice":
             return _choice(raw, self.choices, source, what)
         if raw == "":
@@ -172,26 +223,45 @@ _KEYS = {(k.table, k.key): k for k in KEYS}
 _ACCEPTED_KEYS = ", ".join(k.dotted for k in KEYS)
 
 
+def this_node() -> str:
+    """This host's name: what ``node`` says in events, and what carried settings compare."""
+    return socket.gethostname()
+
+
+def carry_error(exc: ConfigError, node: str) -> str:
+    """An invalid driver configuration, carried so that its workers fail the same way."""
+    return json.dumps(
+        {"node": node, "error": {"source": exc.source, "detail": exc.detail}}, sort_keys=True
+    )
+
+
 def config_path(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     return env.get(ENV_CONFIG) or DEFAULT_CONFIG_PATH
 
 
+_HEADER = re.compile(r"\s*\[([^\[\]]*)\]\s*(?:#.*)?")
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_.\-\"' ]+")
+
+
 def _key_line(text: str, table: str, key: str | None) -> int | None:
-    """The 1-based line of ``[table]`` / ``key =`` in a TOML text (None if not found)."""
+    """The 1-based line of ``[table]`` / ``key =`` in a TOML text (None if not found).
+
+    Linear in the text: no pattern here can backtrack over a long line.
+    """
     current = ""
-    header = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\s*(#.*)?$")
     for number, line in enumerate(text.splitlines(), 1):
-        m = header.match(line)
-        if m:
-            current = m.group(1).replace('"', "").replace("'", "")
+        m = _HEADER.fullmatch(line)
+        if m and _TABLE_NAME.fullmatch(m.group(1).strip()):
+            current = m.group(1).strip().replace('"', "").replace("'", "")
+            current = ".".join(part.strip() for part in current.split("."))
             if key is None and current == table:
                 return number
             continue
         stripped = line.strip()
         if key is None or not stripped or stripped.startswith("#"):
             continue
-        name = re.split(r"\s*=", stripped, maxsplit=1)[0].strip().strip("\"'")
+        name = stripped.partition("=")[0].strip().strip("\"'")
         if (current == table and name == key) or (current == "" and name == f"{table}.{key}"):
             return number
     return None
@@ -199,36 +269,49 @@ def _key_line(text: str, table: str, key: str | None) -> int | None:
 
 def _where(path: str, text: str, table: str, key: str | None = None) -> str:
     line = _key_line(text, table, key)
-    return f"{path}:{line}" if line else path
+    shown = files.show_path(path)
+    return f"{shown}:{line}" if line else shown
 
 
 def _choice(raw: str, accepted: tuple[str, ...], source: str, what: str) -> str:
     value = raw.strip().lower()
     if value not in accepted:
         raise ConfigError(
-            source, f"{raw!r} is not a valid {what}; accepted values: {', '.join(accepted)}"
+            source,
+            f"{files.show(raw)} is not a valid {what}; accepted values: {', '.join(accepted)}",
         )
     return value
 
 
 def _read_file(path: str) -> tuple[dict[str, Any], str] | None:
-    """The parsed file and its text, or None when there is no file at ``path``."""
+    """The parsed file and its text, or None when there is no file at ``path``.
+
+    Only a regular file of at most :data:`CONFIG_LIMIT` bytes is read, and never with an
+    open that can block; every way the file can fail is a :class:`ConfigError`.
+    """
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        text = files.read_text(path, CONFIG_LIMIT)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise ConfigError(path, f"cannot read the config file: {exc.strerror or exc}") from exc
+    except files.FileProblem as exc:
+        raise ConfigError(
+            files.show_path(path), f"cannot read the config file: {exc.detail}"
+        ) from None
     try:
-        text = raw.decode("utf-8")
         return tomllib.loads(text), text
-    except UnicodeDecodeError as exc:
-        raise ConfigError(path, f"not UTF-8 text: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         m = re.search(r"line (\d+)", str(exc))
-        where = f"{path}:{m.group(1)}" if m else path
-        raise ConfigError(where, f"invalid TOML: {exc}") from exc
+        shown = files.show_path(path)
+        where = f"{shown}:{m.group(1)}" if m else shown
+        raise ConfigError(where, f"invalid TOML: {files.one_line(str(exc))}") from None
+    except RecursionError:
+        raise ConfigError(
+            files.show_path(path), "invalid TOML: nested too deeply to parse"
+        ) from None
+    except MemoryError:
+        raise ConfigError(
+            files.show_path(path), "invalid TOML: too large to parse in memory"
+        ) from None
 
 
 def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]:
@@ -241,29 +324,99 @@ def _file_values(path: str, data: dict[str, Any], text: str) -> dict[str, Value]
                 if isinstance(content, dict)
                 else _where(path, text, "", table)
             )
-            raise ConfigError(where, f"unknown key {table!r}; accepted keys: {_ACCEPTED_KEYS}")
+            raise ConfigError(
+                where, f"unknown key {files.show(table)}; accepted keys: {_ACCEPTED_KEYS}"
+            )
         if not isinstance(content, dict):
             raise ConfigError(
                 _where(path, text, "", table),
-                f"{table!r} must be a table ([{table}]); accepted keys: {_ACCEPTED_KEYS}",
+                f"{files.show(table)} must be a table ([{table}]); accepted keys: {_ACCEPTED_KEYS}",
             )
         for key, raw in content.items():
             where = _where(path, text, table, key)
             if (table, key) not in _KEYS:
                 raise ConfigError(
-                    where, f"unknown key '{table}.{key}'; accepted keys: {_ACCEPTED_KEYS}"
+                    where,
+                    f"unknown key {files.show(f'{table}.{key}')}; accepted keys: {_ACCEPTED_KEYS}",
                 )
             spec = _KEYS[(table, key)]
             values[spec.name] = Value(spec.parse(raw, where), "file", where)
     return values
 
 
-def load(environ: Mapping[str, str] | None = None) -> Settings:
-    """The effective settings; raises :class:`ConfigError` on any invalid source."""
+_CARRIED_SHAPE = (
+    "must be the JSON object hybrid-draft writes on a Ray driver "
+    '({"node": ..., "settings": {...}}); unset it to use this host\'s own settings'
+)
+
+
+def _carried(env: Mapping[str, str], node: str) -> tuple[dict[str, Value], str, bool, str] | None:
+    """The driver's settings carried in ``HYBRID_DRAFT_DRIVER_SETTINGS`` (values, config
+    path, whether it existed, the driver's host), or None where none apply: the variable is
+    unset, or this is the driver's own host."""
+    raw = env.get(ENV_DRIVER, "")
+    if not raw.strip():
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(ENV_DRIVER, f"not JSON ({exc}); {_CARRIED_SHAPE}") from exc
+    driver = data.get("node") if isinstance(data, dict) else None
+    if not isinstance(driver, str) or not driver:
+        raise ConfigError(ENV_DRIVER, _CARRIED_SHAPE)
+    if driver == node:
+        return None
+    error = data.get("error")
+    if error is not None:
+        source = error.get("source") if isinstance(error, dict) else None
+        detail = error.get("detail") if isinstance(error, dict) else None
+        raise ConfigError(f"{ENV_DRIVER} (the driver on {driver}: {source})", str(detail))
+    carried = data.get("settings")
+    config = data.get("config_file")
+    if not isinstance(carried, dict) or not isinstance(config, dict):
+        raise ConfigError(ENV_DRIVER, _CARRIED_SHAPE)
+    values: dict[str, Value] = {}
+    for spec in KEYS:
+        item = carried.get(spec.name)
+        if not isinstance(item, dict):
+            raise ConfigError(ENV_DRIVER, f"no setting {spec.name!r}; {_CARRIED_SHAPE}")
+        value, source, origin = item.get("value"), item.get("source"), item.get("origin")
+        where = f"{ENV_DRIVER} ({spec.name} from {driver})"
+        if source not in SOURCES or not isinstance(origin, str):
+            raise ConfigError(where, f"source must be one of {', '.join(SOURCES)}")
+        if value is not None or spec.default is not None:
+            value = spec.parse(value, where)
+        values[spec.name] = Value(value, source, f"{origin} on {driver} (via {ENV_DRIVER})")
+    return values, str(config.get("path")), bool(config.get("exists")), driver
+
+
+def load(environ: Mapping[str, str] | None = None, *, node: str | None = None) -> Settings:
+    """The effective settings; raises :class:`ConfigError`, and nothing else, for any
+    invalid source (the one class the hook catches to stop a load).
+
+    Per setting: this process's environment variable, then the driver's carried settings
+    (on a host other than ``node``, this host's name by default), then the file, then the
+    default. Where the driver's settings are carried, this host's file is not read.
+    """
     env = os.environ if environ is None else environ
     path = config_path(env)
-    parsed = _read_file(path)
-    from_file = _file_values(path, *parsed) if parsed else {}
+    driver: str | None = None
+    try:
+        carried = _carried(env, this_node() if node is None else node)
+        if carried is not None:
+            from_file, path, exists, driver = carried
+        else:
+            parsed = _read_file(path)
+            exists = parsed is not None
+            from_file = _file_values(path, *parsed) if parsed else {}
+    except ConfigError:
+        raise
+    except Exception as exc:  # a failure no check above foresaw is still the source's
+        source = ENV_DRIVER if env.get(ENV_DRIVER, "").strip() else files.show_path(path)
+        raise ConfigError(
+            source,
+            f"cannot use these settings: {type(exc).__name__}: {files.one_line(str(exc))}",
+        ) from None
     result: dict[str, Value] = {}
     for spec in KEYS:
         raw = env.get(spec.env, "")
@@ -274,15 +427,15 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             result[spec.name] = from_file[spec.name]
         else:
             result[spec.name] = Value(spec.default, "default", "default")
-    return Settings(config_path=path, config_exists=parsed is not None, **result)
+    return Settings(config_path=path, config_exists=exists, carried_from=driver, **result)
 
 
 def load_lenient(
-    environ: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None, *, node: str | None = None
 ) -> tuple[Settings | None, ConfigError | None]:
     """Like :func:`load`, but returns the error instead of raising it."""
     try:
-        return load(environ), None
+        return load(environ, node=node), None
     except ConfigError as exc:
         return None, exc
 

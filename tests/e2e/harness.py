@@ -13,8 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).resolve().parent / "standin"
@@ -249,9 +248,9 @@ class Server:
                     pytrace=False,
                 )
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
+                if requests.get(f"{self.url}/health", timeout=5).ok:
                     return
-            except (urllib.error.URLError, OSError):
+            except requests.RequestException:
                 pass
             if time.monotonic() >= deadline:
                 pytest.fail(

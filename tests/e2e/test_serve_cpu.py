@@ -196,17 +196,21 @@ def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(served:
         )
         assert sources["replaced_by_target"] == skipped
         if run.one_pass:
-            # Nothing from storage: the draft's tensors came from the target's pass.
+            # Nothing from storage: the draft's tensors came from the target's pass, and
+            # what the process read meanwhile is the code a first draft load pages in.
             assert sources["storage"] == {"tensors": 0, "bytes": 0}
             assert sources["stream"] == modes["one_pass"]["stream"]
             assert draft["one_pass"]["held_bytes"] == sources["stream"]["bytes"]
-            assert draft["bytes_read"] <= READ_SLACK, draft
+            assert draft["bytes_read"] <= CODE_PAGES, draft
         else:
+            # (the stand-in leaves the checkpoint cold: the draft reads its tensors)
             assert sources["stream"] == {"tensors": 0, "bytes": 0}
+            assert draft["bytes_read"] >= sources["storage"]["bytes"] > 0, draft
 
 
-#: Storage bytes a draft's load may read besides its tensors (code it imports, metadata).
-READ_SLACK = 256 << 10
+#: What a first draft load reads besides checkpoint data (its model's code, kernels' libraries):
+#: under a megabyte here; a draft's own tensors are hundreds of MB to tens of GB.
+CODE_PAGES = 4 << 20
 
 
 def test_instanttensor_reads_are_the_target_and_only_an_instanttensor_draft(served: Served) -> None:

@@ -1,6 +1,6 @@
 """Fixtures of the image test (scripts/image-test): the local vLLM CPU bases (localbase.py),
 the project's image built on each with buildah exactly as ``docker buildx bake`` would, and
-the figures the docs report (timings, sizes, disk use), printed at the end of the run.
+the figures docs/image.md reports (timings, sizes, disk use), printed at the end of the run.
 
 Run as root (buildah, debootstrap, network namespaces). Logs and the compose flow's
 volumes go to build/image-test/ (the logs are kept for a failed CI run to be read).

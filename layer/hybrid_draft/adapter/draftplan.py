@@ -33,8 +33,9 @@ def device_of(call: calls.Call) -> Any:
     return call.load_config.device or call.vllm_config.device_config.device
 
 
-def for_call(call: calls.Call) -> DraftPlan | None:
-    """The plan of the draft this call loads (None: it has no safetensors shards)."""
+def for_call(call: calls.Call, skip_replaced: bool = True) -> DraftPlan | None:
+    """The plan of the draft this call loads (None: it has no safetensors shards);
+    ``skip_replaced`` false plans the tensors vLLM replaces as read like the rest."""
     files = weight_files(call)
     if not files:
         return None
@@ -46,11 +47,15 @@ def for_call(call: calls.Call) -> DraftPlan | None:
     )
     spec = call.speculative_config
     architectures = getattr(call.model_config.hf_config, "architectures", None) or [""]
-    shared = sharing.expected(
-        cls,
-        call.vllm_config.parallel_config.pipeline_parallel_size,
-        getattr(spec, "method", None),
-        drafts.is_mtp(str(architectures[0])),
+    shared = (
+        sharing.expected(
+            cls,
+            call.vllm_config.parallel_config.pipeline_parallel_size,
+            getattr(spec, "method", None),
+            drafts.is_mtp(str(architectures[0])),
+        )
+        if skip_replaced
+        else frozenset()
     )
     return DraftPlan(
         shards=shards,
@@ -64,7 +69,9 @@ def for_call(call: calls.Call) -> DraftPlan | None:
     )
 
 
-def for_model_dir(model_dir: str, trust_remote_code: bool = False) -> DraftPlan:
+def for_model_dir(
+    model_dir: str, trust_remote_code: bool = False, skip_replaced: bool = True
+) -> DraftPlan:
     """The plan of a same-checkpoint MTP draft of ``model_dir`` (for ``hybrid-draft plan``).
 
     Raises ``checkpoint.CheckpointError`` or ``drafts.PlanError`` (one line each)."""
@@ -77,7 +84,7 @@ def for_model_dir(model_dir: str, trust_remote_code: bool = False) -> DraftPlan:
             rule_source=draft.rule_source,
             rule=draft.is_unused,
             vllm_rule=draft.vllm_rule,
-            shared=draft.shared,
+            shared=draft.shared if skip_replaced else frozenset(),
             mtp_layers=draft.mtp_layers,
             notes=draft.notes,
             host_blocker=selective.host_blocker(),

@@ -18,13 +18,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybrid_draft import checkpoint
 from hybrid_draft.adapter import rules, sharing
 
 CONFIG_NAME = "config.json"
@@ -90,8 +90,10 @@ def read_config(
     from vllm.transformers_utils.config import get_config
 
     path = Path(model_dir) / CONFIG_NAME
-    try:
-        data = json.loads(path.read_text())
+    try:  # confined to the checkpoint, a regular file, bounded (checkpoint.read_json)
+        data = checkpoint.read_json(model_dir, CONFIG_NAME, checkpoint.CONFIG_LIMIT)
+    except checkpoint.CheckpointError as exc:
+        raise PlanError(str(exc)) from None
     except FileNotFoundError:
         raise PlanError(
             f"{path}: no such file (a checkpoint directory holds its {CONFIG_NAME})"
@@ -283,7 +285,11 @@ def _detail(cls: type, arch: str, kind: str, source: str) -> str:
         rule = rules.rule_for(cls)
         assert rule is not None
         loader = rules.loader_of(cls)
-        shared = "" if loader is cls else f"; {loader.__name__}.load_weights, shared"
+        shared = (
+            f"; {loader.__name__}.load_weights, shared"
+            if loader is not None and loader is not cls
+            else ""
+        )
         return f"{rule.doc} ({where}{shared})"
     if kind == "standalone":
         return f"{OWN_CHECKPOINT.get(arch, 'a checkpoint of its own, loaded whole')} ({where})"

@@ -16,13 +16,19 @@ plan (secondary weights, a loader used without one) is read by vLLM's own lazy p
   shard in file order. Modes ``auto`` and ``safetensors`` (and the selective fallback).
 - ``instanttensor_selective``: the kept tensors streamed to the draft's device by
   InstantTensor's ``tensor_filter`` (mode ``selective``).
+
+A third, ``instanttensor_ungrouped``, selects nothing: it is vLLM's InstantTensor load of
+a draft with ``process_group=None`` instead of vLLM's world group, for a draft that only
+the last pipeline stage loads (``pipeline.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextvars import ContextVar
@@ -38,6 +44,7 @@ from hybrid_draft.events import emit
 #: The load formats these loaders are registered under.
 FILTERED = "safetensors_filtered"
 SELECTIVE = policy.SELECTIVE_FORMAT
+UNGROUPED = "instanttensor_ungrouped"
 _REGISTERED: set[str] = set()
 
 Weights = Generator[tuple[str, torch.Tensor], None, None]
@@ -146,6 +153,73 @@ def instanttensor_selective_iterator(
             yield name, tensor
 
 
+def instanttensor_ungrouped_iterator(
+    files: list[str],
+    device: torch.device,
+    use_tqdm_on_load: bool = True,
+    local_expert_ids: set[int] | None = None,
+    load_engram_on_cpu: bool = False,
+) -> Weights:
+    """vLLM 0.33's ``instanttensor_weights_iterator`` with ``process_group=None``.
+
+    vLLM's reads with the world group whenever the world has more than one rank, and
+    InstantTensor then all-reduces and all-gathers over it: ranks that never load this
+    model (the other pipeline stages, for a draft) would never join. Here every rank reads
+    the files itself. The rest is vLLM's: other ranks' experts filtered out before reading
+    (``should_skip_weight``), Engram tables mapped on the CPU, ``copy=True``.
+    """
+    import instanttensor
+    from safetensors import safe_open
+    from vllm.model_executor.model_loader import weight_utils
+    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+
+    engram = getattr(weight_utils, "_ENGRAM_WEIGHT_RE", None)
+    gpu_names: list[str] = []
+    cpu_weights: dict[str, list[str]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                if load_engram_on_cpu and engram is not None and engram.search(name):
+                    cpu_weights.setdefault(path, []).append(name)
+                else:
+                    gpu_names.append(name)
+    experts = local_expert_ids is not None and any(
+        should_skip_weight(name, set()) for name in gpu_names
+    )
+    tensor_filter = (
+        [name for name in gpu_names if not should_skip_weight(name, local_expert_ids)]
+        if cpu_weights or experts
+        else None
+    )
+    if gpu_names:
+        with (
+            instanttensor.safe_open(
+                files,
+                framework="pt",
+                device=device,
+                process_group=None,
+                copy=True,
+                tensor_filter=tensor_filter,
+                tensor_name_match_mode="exact",
+            ) as f,
+            _tqdm(
+                getattr(f, "total_tensor_size", None) or 0,
+                "Loading the draft using InstantTensor (this pipeline stage only)",
+                use_tqdm_on_load,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+            ) as bar,
+        ):
+            for name, tensor in f.tensors():
+                bar.update(tensor.numel() * tensor.element_size())
+                yield name, tensor
+    for path, names in cpu_weights.items():
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+
+
 @dataclass
 class DraftRead:
     """What one draft load takes from where: its plan, the hold it draws on, what it skips.
@@ -156,8 +230,11 @@ class DraftRead:
 
     plan: planning.DraftPlan
     hold: hold.Hold | None = None
-    skip_replaced: bool = True
     sink: tuple[str, str | None] | None = None
+    #: The draft's pipeline-parallel size and speculative method (what vLLM's
+    #: replacement depends on), from the configs the load was decided with.
+    pipeline_parallel_size: int = 1
+    method: str | None = "mtp"
     #: Filled by the load: ``planning.DraftPlan.sources`` keys, as read.
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
     #: The replaced tensors skipped, by name -> kind (after the built model was checked).
@@ -273,13 +350,10 @@ def _loader_classes() -> dict[str, type]:
                     key: {"tensors": 0, "bytes": 0}
                     for key in ("storage", "stream", "replaced_by_target")
                 }
-            if read is not None and read.skip_replaced and read.plan.replaced:
-                vllm_config = get_current_vllm_config()
+            if read is not None and read.plan.replaced:
+                # The built model's own attributes are what vLLM's proposer looks at.
                 kinds = read.plan.shared & sharing.expected(
-                    model,
-                    vllm_config.parallel_config.pipeline_parallel_size,
-                    getattr(vllm_config.speculative_config, "method", None),
-                    True,
+                    model, read.pipeline_parallel_size, read.method, True
                 )
                 replaceable = sharing.replaceable(model, kinds)
                 present = set(replaceable.values())
@@ -326,7 +400,9 @@ def _loader_classes() -> dict[str, type]:
             missing; else read the skipped tensors now (the name rule missed this class)."""
             params = dict(model.named_parameters())
             pending = {n for n in replaceable if loaded is None or n not in loaded}
-            if loaded is None or not self._complete(model, model_config, loaded | pending):
+            # A load_weights that reports nothing (HY-V3's) leaves nothing to check here:
+            # the name rule (proven per class) and the check after vLLM's replacement stand.
+            if loaded is not None and not self._complete(model, model_config, loaded | pending):
                 names = list(read.skipped)
                 with sharing.partial_load():
                     more = load(self._count(read, self.read_names(read.plan, names)))
@@ -343,7 +419,7 @@ def _loader_classes() -> dict[str, type]:
                 )
                 read.sources["replaced_by_target"] = {"tensors": 0, "bytes": 0}
                 read.skipped = {}
-                return None if loaded is None else loaded | set(more or ())
+                return loaded | set(more or ())
             by_kind: dict[str, list[str]] = {}
             for name, kind in read.skipped.items():
                 by_kind.setdefault(kind, []).append(name)
@@ -362,7 +438,7 @@ def _loader_classes() -> dict[str, type]:
                 scope.skipped.append(skipped)
             else:
                 sharing.on_first_forward(skipped)
-            return loaded | pending
+            return None if loaded is None else loaded | pending
 
     class FilteredSafetensorsLoader(PlannedDraftLoader):
         """Lazy safetensors that never touch a tensor the draft's plan leaves out."""
@@ -377,7 +453,7 @@ def _loader_classes() -> dict[str, type]:
             if not selection.files:
                 return iter(())  # type: ignore[return-value]
             device = torch.device(
-                self.load_config.device or get_current_vllm_config().device_config.device
+                self.load_config.device or get_current_vllm_config().device_config.device or "cpu"
             )
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
@@ -385,7 +461,62 @@ def _loader_classes() -> dict[str, type]:
                 selection, device, self.load_config.use_tqdm_on_load
             )
 
-    return {FILTERED: FilteredSafetensorsLoader, SELECTIVE: SelectiveInstantTensorLoader}
+    class UngroupedInstantTensorLoader(DefaultModelLoader):
+        """vLLM's InstantTensor load, without the world group (a last-stage-only draft)."""
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(dataclasses.replace(load_config, load_format=policy.INSTANTTENSOR))
+
+        def _get_weights_iterator(self, source: Any) -> Any:
+            from vllm.config import get_current_vllm_config_or_none
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_cuda():
+                # vLLM's own read: off CUDA its iterator refuses InstantTensor before it
+                # picks a process group, so there is no collective to avoid.
+                return super()._get_weights_iterator(source)
+            # The steps of vLLM's _get_weights_iterator before its InstantTensor read,
+            # through default_loader's names (the layer's load figures see them there).
+            default_loader = sys.modules[DefaultModelLoader.__module__]
+            folder, files, use_safetensors, index_file = self._prepare_weights(
+                source.model_or_path,
+                source.subfolder,
+                source.revision,
+                source.fall_back_to_pt,
+                source.allow_patterns_overrides,
+            )
+            if not use_safetensors:  # .bin/.pt: vLLM's readers, which involve no group
+                return super()._get_weights_iterator(source)
+            if self._encoder_only_lm_prefixes is not None and files:
+                files = default_loader.filter_mm_encoder_only_safetensors_files(
+                    files,
+                    folder,
+                    index_file,
+                    self._encoder_only_lm_prefixes,
+                    weights_mapper=self._encoder_only_weights_mapper,
+                )
+            if source.is_unused_weight is not None:
+                files = default_loader.filter_safetensors_files_by_weight_name(
+                    files, source.is_unused_weight
+                )
+            vllm_config = get_current_vllm_config_or_none()
+            engram = getattr(vllm_config, "engram_config", None) if vllm_config else None
+            if self.counter_before_loading_weights == 0.0:
+                self.counter_before_loading_weights = time.perf_counter()
+            weights = instanttensor_ungrouped_iterator(
+                files,
+                current_platform.current_device(),
+                self.load_config.use_tqdm_on_load,
+                self.local_expert_ids,
+                bool(engram and getattr(engram, "cpu_offload", False)),
+            )
+            return ((source.prefix + name, tensor) for name, tensor in weights)
+
+    return {
+        FILTERED: FilteredSafetensorsLoader,
+        SELECTIVE: SelectiveInstantTensorLoader,
+        UNGROUPED: UngroupedInstantTensorLoader,
+    }
 
 
 def register(load_format: str) -> None:

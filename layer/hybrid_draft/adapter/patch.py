@@ -28,7 +28,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from hybrid_draft import __version__, policy, settings
-from hybrid_draft.adapter import calls, hold, stats
+from hybrid_draft.adapter import calls, hold, pipeline, stats, where
 from hybrid_draft.events import emit
 from hybrid_draft.planning import DraftPlan
 
@@ -88,6 +88,19 @@ PARTS: dict[str, tuple[str, ...]] = {
         "vllm.distributed.parallel_state:get_pp_group",
     ),
     "direct_loads": ("vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",),
+    # The pipeline-parallel guard's InstantTensor read without vLLM's world group.
+    "ungrouped_draft": (
+        f"{_DL}._prepare_weights",
+        f"{_DL}._get_weights_iterator",
+        f"{_DL}.counter_before_loading_weights",
+        "loader.local_expert_ids",
+        "loader._encoder_only_lm_prefixes",
+        "loader._encoder_only_weights_mapper",
+        "vllm.model_executor.model_loader.default_loader:filter_mm_encoder_only_safetensors_files",
+        "vllm.model_executor.model_loader.default_loader:filter_safetensors_files_by_weight_name",
+        "vllm.model_executor.model_loader.ep_weight_filter:should_skip_weight",
+        "vllm.config:get_current_vllm_config_or_none",
+    ),
 }
 #: Parts switched off in this process, with why.
 OFF: dict[str, str] = {}
@@ -305,6 +318,7 @@ def run(resolve: Callable[[], calls.Call], proceed: Callable[[Any], Any]) -> Any
                     "action": "kept",
                     "reason": "layer_error",
                     "detail": f"{type(exc).__name__}: {exc}",
+                    **where.fields(),
                 },
             )
             load = Load(role=load.role, model=load.model, sink=load.sink)
@@ -349,6 +363,7 @@ def _finish(load: Load, cost: stats.LoadStats, exc: BaseException | None) -> Non
             "load_format": load.load_format,
             "tensor_filter": load.tensor_filter,
             **cost.fields(),
+            **where.fields(),
         }
         if load.draft is not None and load.draft.sources:
             fields["sources"] = load.draft.sources
@@ -427,6 +442,7 @@ def decide(call: calls.Call, load: Load) -> None:
         decision = _decide_draft(call, request, decision, current, load, extra)
     if decision.switched:
         load.load_format = decision.chosen_format
+    pipeline.guard(call, load, extra)
     _emit_decision(current, request, decision, extra, load.sink)
 
 
@@ -438,7 +454,7 @@ def _same_checkpoint(request: policy.Request) -> bool:
     )
 
 
-def _plan(call: calls.Call, extra: dict[str, Any]) -> DraftPlan | None:
+def _plan(call: calls.Call, extra: dict[str, Any], skip_replaced: bool) -> DraftPlan | None:
     """The draft's plan: the one its target's load made, else made now (None on a fault,
     which the decision then reports as ``plan_error``)."""
     scope = hold.current()
@@ -448,7 +464,7 @@ def _plan(call: calls.Call, extra: dict[str, Any]) -> DraftPlan | None:
     from hybrid_draft.adapter import draftplan
 
     try:
-        return draftplan.for_call(call)
+        return draftplan.for_call(call, skip_replaced)
     except Exception as exc:  # reported, and the draft loads on vLLM's own lazy path
         extra["plan_error"] = f"{type(exc).__name__}: {exc}"
         return None
@@ -470,7 +486,8 @@ def _decide_draft(
         extra["pruning_rule"] = None
         extra["rule_error"] = f"{type(exc).__name__}: {exc}"
     same = _same_checkpoint(request)
-    plan = _plan(call, extra) if same or decision.switched else None
+    skip = bool(current.skip_replaced.value)
+    plan = _plan(call, extra, skip) if same or decision.switched else None
     if same:  # null when planning failed: unknown, not "nothing to say"
         extra["warnings"] = (
             plan.warnings() if plan is not None else (None if "plan_error" in extra else [])
@@ -487,10 +504,16 @@ def _decide_draft(
             assert plan is not None
             extra.update(plan.selection().summary())
     extra["tensor_filter"] = False
+    ours = plan is not None and plan.is_unused is not None and "draft_loaders" not in OFF
     if decision.switched:
-        ours = plan is not None and plan.is_unused is not None and "draft_loaders" not in OFF
-        if decision.chosen_format == policy.SAFETENSORS and not ours:
+        if not ours:  # vLLM's own lazy path (a selective draft too: its loader is ours)
             load.load_config = calls.lazy_load_config(call.load_config)
+            if decision.chosen_format != policy.SAFETENSORS:
+                decision = policy.fall_back(
+                    decision,
+                    "part_skipped" if "draft_loaders" in OFF else "planning_failed",
+                    OFF.get("draft_loaders", "the draft has no plan to load by"),
+                )
             return decision
         fmt = (
             loaders.FILTERED
@@ -500,24 +523,23 @@ def _decide_draft(
         load.load_config = calls.loader_load_config(call.load_config, fmt)
     elif request.requested_format in (loaders.FILTERED, loaders.SELECTIVE):
         fmt = request.requested_format  # the user's own draft_load_config names one of ours
+        if not ours:
+            return decision  # the loader reads a plan-less draft by vLLM's own lazy path
     else:
         return decision
+    assert plan is not None
     loaders.register(fmt)
-    if plan is None or plan.is_unused is None:
-        return decision  # the loader reads plan-less drafts by vLLM's own lazy path
     scope = hold.current()
     held = scope.hold_for(call.model_config) if scope is not None else None
-    skip = bool(current.skip_replaced.value)
     load.tensor_filter = True
-    load.draft = loaders.DraftRead(plan=plan, hold=held, skip_replaced=skip, sink=load.sink)
-    planned = plan.sources(set(held.tensors) if held is not None else ())
-    if not skip:
-        planned["storage"] = {
-            k: planned["storage"][k] + planned["replaced_by_target"][k]
-            for k in ("tensors", "bytes")
-        }
-        planned["replaced_by_target"] = {"tensors": 0, "bytes": 0}
-    extra["sources"] = planned
+    load.draft = loaders.DraftRead(
+        plan=plan,
+        hold=held,
+        sink=load.sink,
+        pipeline_parallel_size=call.vllm_config.parallel_config.pipeline_parallel_size,
+        method=request.method,
+    )
+    extra["sources"] = plan.sources(set(held.tensors) if held is not None else ())
     extra["tensor_filter"] = True
     return decision
 
@@ -533,8 +555,9 @@ def _tap(
     budget = int(current.hold_budget.value)
     if budget <= 0:
         return off("hold_budget_zero")
-    if "one_pass" in OFF:
-        return off("part_skipped", OFF["one_pass"])
+    for part in ("one_pass", "draft_loaders"):
+        if part in OFF:
+            return off("part_skipped", OFF[part])
     if request.requested_format != policy.INSTANTTENSOR:
         return off("not_instanttensor")
     scope = hold.current()
@@ -558,12 +581,11 @@ def _tap(
         return off("draft_not_switched", f"the draft's decision: {draft_decision.reason}")
     from hybrid_draft.adapter import draftplan
 
-    plan = draftplan.for_call(draft_call)
+    plan = draftplan.for_call(draft_call, bool(current.skip_replaced.value))
     if plan is None or plan.is_unused is None or not plan.kept:
         return off("no_plan", "the draft has no checkpoint-weight rule or keeps nothing")
     local = _draft_expert_filter(draft_call)
-    skip = set(plan.replaced) if current.skip_replaced.value else set()
-    wanted = [t for t in plan.kept if t.name not in skip and not local(t.name)]
+    wanted = [t for t in plan.kept if t.name not in plan.replaced and not local(t.name)]
     target_bytes = plan.all_bytes // max(1, call.vllm_config.parallel_config.tensor_parallel_size)
     budget = hold.effective_budget(
         budget, hold.free_memory(draftplan.device_of(call)), target_bytes
@@ -629,6 +651,7 @@ def _emit_decision(
     if request.target is not None:
         fields.update(target_model=request.target.model, target_revision=request.target.revision)
     fields.update(extra)
+    fields.update(where.fields(current))
     emit("hybrid_draft.decision", sink=sink, **fields)
     if decision.switched:
         from vllm.logger import init_logger

@@ -349,7 +349,7 @@ def install(cls: type) -> str:
         return source
     rule = rule_for(cls)
     assert rule is not None
-    derived_from = cls.load_weights
+    derived_from = getattr(cls, "load_weights", None)
 
     def is_unused_checkpoint_weight(self: Any, name: str) -> bool:
         # A subclass that loads differently keeps every shard: never prune on a guess.
@@ -385,6 +385,6 @@ def probe(cls: type, config: Any) -> Callable[[str], bool] | None:
     """
     if getattr(cls, "is_unused_checkpoint_weight", None) is None:
         return None
-    stub = object.__new__(cls)
+    stub: Any = object.__new__(cls)
     object.__setattr__(stub, "config", config)
     return lambda name: bool(stub.is_unused_checkpoint_weight(name))

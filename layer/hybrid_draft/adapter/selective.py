@@ -11,6 +11,7 @@ filtered lazy path, and the decision says why: a stable ``fallback`` code and a 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ FALLBACKS = (
     "no_cuda",
     "no_tensor_filter",
     "planning_failed",
+    "part_skipped",
 )
 
 Blocker = tuple[str, str]  # (fallback code, detail)
@@ -35,7 +37,7 @@ def tensor_filter_supported() -> str | None:
     except Exception as exc:  # its CUDA extension may fail to load, not only be missing
         return f"instanttensor does not import: {exc!r}"
     try:
-        params = inspect.signature(instanttensor.safe_open).parameters
+        params: Mapping[str, Any] = inspect.signature(instanttensor.safe_open).parameters
     except (TypeError, ValueError):
         params = {}
     if "tensor_filter" not in params or "tensor_name_match_mode" not in params:

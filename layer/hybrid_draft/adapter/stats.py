@@ -158,8 +158,12 @@ def instrument(
     counted, only tensors and shards stay unknown.
     """
     cls = getattr(default_loader, "DefaultModelLoader", None)
-    wraps = [
-        (cls, "get_all_weights", lambda f: _counting(f, observer)),
+
+    def counting(get_all_weights: Callable[..., Any]) -> Callable[..., Any]:
+        return _counting(get_all_weights, observer)
+
+    wraps: list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = [
+        (cls, "get_all_weights", counting),
         (cls, "_prepare_weights", _resolving),
     ]
     missing = [name for owner, name, _ in wraps if not callable(getattr(owner, name, None))]

@@ -1,12 +1,32 @@
 """The ``hybrid-draft`` command: config, doctor, plan, rules, bench, make-checkpoint, smoke,
-report."""
+report.
+
+Bad input to any command is one line on stderr and exit status 2: argument errors say which
+argument and what it accepts (without the usage text), each command names the input it
+cannot use, and :func:`main` turns anything unforeseen into one line as a last resort
+(``HYBRID_DRAFT_TRACEBACK=1`` shows the traceback instead).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
+
+from hybrid_draft.tools import args as types
+
+#: Set to a non-empty value other than 0 to see the traceback of an unexpected error.
+TRACEBACK_ENV = "HYBRID_DRAFT_TRACEBACK"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line: the problem and where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -21,9 +41,13 @@ def _config(args: argparse.Namespace) -> int:
         print(json.dumps(current.as_dict(), indent=2))
         return 0
     state = "found" if current.config_exists else "absent, defaults apply"
+    if current.carried_from is not None:
+        state = f"on {current.carried_from}, carried from that Ray driver"
     print(f"config file  {current.config_path} ({state})")
     for name, value in current.as_dict()["settings"].items():
         print(f"{name:<12} {value['value']!s:<24} from {value['source']} ({value['origin']})")
+    covered = ", ".join(settings.DECISION_SETTINGS)
+    print(f"fingerprint  {current.fingerprint()} (settings_fingerprint, of: {covered})")
     return 0
 
 
@@ -46,13 +70,11 @@ def _rules(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"vllm_version": patch.vllm_version(), "classes": classes}, indent=2))
         return 0
-    width = max(len(c["architecture"]) for c in classes)
-    cls_width = max(len(c["class"]) for c in classes)
-    for c in classes:
-        print(
-            f"{c['architecture']:<{width}}  {c['class']:<{cls_width}}  {c['kind']:<10}  "
-            f"{c['rule']:<12}  {c['detail']}"
-        )
+    from hybrid_draft.tools import tables
+
+    columns = [(h, "left") for h in ("architecture", "class", "kind", "rule", "detail")]
+    rows = [[c["architecture"], c["class"], c["kind"], c["rule"], c["detail"]] for c in classes]
+    print(tables.render(columns, rows))
     print(drafts.rules_summary(classes))
     return 0
 
@@ -63,30 +85,53 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     from hybrid_draft.tools import synth
 
     out = Path(args.out_dir)
-    if args.if_missing and synth.is_complete(out):
-        print(f"{out}: a checkpoint is already there; leaving it")
-        return 0
+    prog = "hybrid-draft make-checkpoint"
     presets = synth.PRESETS[args.arch]
     preset = args.preset or ("default" if "default" in presets else "tiny")
     if preset not in presets:
         print(
-            f"hybrid-draft make-checkpoint: --preset {preset!r} is not one of --arch "
+            f"{prog}: --preset {preset!r} is not one of --arch "
             f"{args.arch}'s presets: {', '.join(presets)}",
             file=sys.stderr,
         )
         return 2
-    kwargs = {"moe": args.moe} if args.arch not in ("qwen3_5", "qwen3") else {}
-    layout = synth.ARCHITECTURES[args.arch](preset, **kwargs)
-    shards = synth.shard(layout, num_shards=args.shards, mtp_own_shard=args.mtp_own_shard)
-    if args.tokenizer:
-        out.mkdir(parents=True, exist_ok=True)
-        synth.write_tokenizer(out, layout.config["vocab_size"])
-    synth.write_checkpoint(out, layout, shards, fill=args.fill, seed=args.seed)
+    try:
+        state = synth.target_state(out)
+        if args.if_missing and state == "complete":
+            print(f"{out}: a checkpoint is already there; leaving it")
+            return 0
+        if state in ("occupied", "complete") and not args.force:
+            print(
+                f"{prog}: {out} is not empty; pass --force to write the checkpoint into it "
+                "(replacing only the files make-checkpoint writes), or name a new or empty "
+                "directory",
+                file=sys.stderr,
+            )
+            return 2
+        kwargs = {"moe": args.moe} if args.arch not in ("qwen3_5", "qwen3") else {}
+        layout = synth.ARCHITECTURES[args.arch](preset, **kwargs)
+        shards = synth.shard(layout, num_shards=args.shards, mtp_own_shard=args.mtp_own_shard)
+        with synth.marked(out):
+            if args.tokenizer:
+                synth.write_tokenizer(out, layout.config["vocab_size"])
+            synth.write_checkpoint(out, layout, shards, fill=args.fill, seed=args.seed)
+    except (OSError, synth.TargetError) as exc:
+        print(f"{prog}: {_os_error(exc)}", file=sys.stderr)
+        return 2
     print(
         f"{out}: {args.arch}/{preset}, {len(shards)} shards, "
         f"{len(layout.tensors)} tensors, {layout.nbytes / 1e6:.1f} MB"
     )
     return 0
+
+
+def _os_error(exc: BaseException) -> str:
+    """One line for an OSError (the path and the reason) or any other error."""
+    from hybrid_draft import files
+
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{files.show_path(exc.filename)}: {exc.strerror or exc}"
+    return files.one_line(str(exc))
 
 
 def _smoke(args: argparse.Namespace) -> int:
@@ -96,19 +141,23 @@ def _smoke(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from hybrid_draft import files
     from hybrid_draft.tools import report
 
     try:
-        with open(args.events_file, encoding="utf-8", errors="replace") as f:
-            summary = report.summarize(report.read(f))
-    except OSError as exc:
-        print(
-            f"hybrid-draft report: cannot read {args.events_file}: {exc.strerror or exc}",
-            file=sys.stderr,
-        )
-        return 2
-    print(json.dumps(summary, indent=2) if args.json else report.render(summary))
-    return 0
+        summary = report.summarize(report.read_file(args.events_file))
+    except FileNotFoundError:
+        detail = "No such file or directory"
+    except files.FileProblem as exc:
+        detail = exc.detail
+    else:
+        print(json.dumps(summary, indent=2) if args.json else report.render(summary))
+        return 0
+    print(
+        f"hybrid-draft report: cannot read {files.show_path(args.events_file)}: {detail}",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -118,7 +167,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybrid-draft", description=__doc__)
+    p = Parser(prog="hybrid-draft", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("config", help="the effective settings and where each came from")
@@ -160,16 +209,22 @@ def parser() -> argparse.ArgumentParser:
         f"has one, else `tiny`. `cpu` ({', '.join(synth.CPU_SERVABLE)}): "
         "shapes vLLM's CPU build serves",
     )
-    m.add_argument("--shards", type=int, default=2)
+    m.add_argument("--shards", type=types.integer(1, 100_000), default=2)
     m.add_argument("--mtp-own-shard", action=argparse.BooleanOptionalAction, default=True)
     m.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True)
     m.add_argument("--fill", choices=["normal", "noise", "sparse"], default="normal")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=types.integer(0, (1 << 63) - 1), default=0)
     m.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True)
     m.add_argument(
         "--if-missing",
         action="store_true",
         help="do nothing when OUT_DIR already holds a complete checkpoint",
+    )
+    m.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty OUT_DIR, replacing the files make-checkpoint writes "
+        "(never through a symbolic link; other files are left)",
     )
     m.set_defaults(func=_make_checkpoint)
 
@@ -201,8 +256,33 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        args = parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("hybrid-draft: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
+    except Exception as exc:  # the last line of defence: one line, never a traceback
+        if os.environ.get(TRACEBACK_ENV, "").strip() not in ("", "0"):
+            raise
+        from hybrid_draft import files
+
+        command = next(
+            (a for a in (argv if argv is not None else sys.argv[1:]) if a[:1] != "-"), ""
+        )
+        print(
+            f"hybrid-draft{' ' + command if command else ''}: unexpected error: "
+            f"{type(exc).__name__}: {files.one_line(str(exc))} ({TRACEBACK_ENV}=1 shows where)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

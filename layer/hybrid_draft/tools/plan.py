@@ -24,16 +24,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan_checkpoint(args: argparse.Namespace) -> int:
-    from hybrid_draft import checkpoint, settings
+    import os
+
+    from hybrid_draft import checkpoint, files, settings
+
+    if os.path.isdir(args.model_dir):  # a config.json that cannot be read: before vLLM loads
+        try:
+            checkpoint.read_json(args.model_dir, checkpoint.CONFIG_NAME, checkpoint.CONFIG_LIMIT)
+        except FileNotFoundError:
+            pass  # said below, as the draft's config
+        except checkpoint.CheckpointError as exc:
+            print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
+            return 2
     from hybrid_draft.adapter import draftplan, drafts
 
-    try:
-        plan = draftplan.for_model_dir(args.model_dir, trust_remote_code=args.trust_remote_code)
-    except (OSError, checkpoint.CheckpointError, drafts.PlanError) as exc:
-        print(f"hybrid-draft plan: {exc}", file=sys.stderr)
-        return 2
-    current, _ = settings.load_lenient()
+    current, _ = settings.load_lenient()  # what the load would do here, else the defaults
+    skip = bool(current.skip_replaced.value) if current else True
     budget = int(current.hold_budget.value) if current else settings.DEFAULT_HOLD_BUDGET
+    try:  # every shard checked as safetensors checks it, inside the model directory
+        plan = draftplan.for_model_dir(
+            args.model_dir, trust_remote_code=args.trust_remote_code, skip_replaced=skip
+        )
+    except (OSError, checkpoint.CheckpointError, drafts.PlanError) as exc:
+        print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
+        return 2
     result = plan.report(args.model_dir, hold_budget=budget)
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
@@ -47,6 +61,8 @@ def _gb(n: int | None) -> str:
 
 def table(result: dict[str, Any]) -> str:
     """The human rendering of :func:`report`."""
+    from hybrid_draft.tools import tables
+
     ck = result["checkpoint"]
     auto = result["auto"]
     filtered = ""
@@ -73,11 +89,7 @@ def table(result: dict[str, Any]) -> str:
         )
     for i, w in enumerate(result.get("warnings", [])):
         lines.append(f"{'warning' if i == 0 else '':<13}{w['code']}: {w['detail']}")
-    lines += [
-        "",
-        f"{'mode':<22}{'shards':>8}{'tensors':>10}{'bytes read':>16}"
-        f"{'of checkpoint':>15}{'touched':>10}",
-    ]
+    rows = []
     for name, r in result["modes"].items():
         tensors = "?" if r["tensors"] is None else f"{r['tensors']:,}"
         share = (
@@ -85,13 +97,19 @@ def table(result: dict[str, Any]) -> str:
             if r["bytes"] is None
             else (f"{r['bytes'] / ck['bytes']:.2%}" if ck["bytes"] else f"{0:.2%}")
         )
-        line = (
-            f"{name:<22}{len(r['shards']):>8}{tensors:>10}{_gb(r['bytes']):>16}"
-            f"{share:>15}{r['touched_tensors']:>10,}"
-        )
-        if r.get("fallback"):
-            line += f"  fallback: {r['fallback']}"
-        lines.append(line)
+        note = f"fallback: {r['fallback']}" if r.get("fallback") else ""
+        touched = f"{r['touched_tensors']:,}"
+        rows.append([name, len(r["shards"]), tensors, _gb(r["bytes"]), share, touched, note])
+    columns = [
+        ("mode", "left"),
+        ("shards", "right"),
+        ("tensors", "right"),
+        ("bytes read", "right"),
+        ("of checkpoint", "right"),
+        ("touched", "right"),
+        ("", "left"),
+    ]
+    lines += ["", tables.render(columns, rows)]
     for name, r in result["modes"].items():
         if r.get("fallback"):
             lines.append(f"{name} falls back to the auto row here: {r['detail']}")

@@ -7,14 +7,39 @@ worker per rank). Each ``get_model`` call left a ``hybrid_draft.decision`` and t
 paired in order per process. A second full pass would read every byte of the checkpoint
 (``checkpoint_bytes``) and, being the same read as the target's, take about as long as the
 target's load in that process: the savings are measured against those two figures.
-Pure and stdlib-only: ``smoke`` prints the same summary.
+Decisions that carry a ``rank`` are also compared across ranks (:func:`inconsistent`).
+``smoke`` prints the same summary. A field of the wrong type (a list ``pid``, a string
+``seconds``, a byte count that is not a number) reads as unknown (``?``, or null in
+``--json``) rather than failing; the file is read as a stream, a regular file of at most
+:data:`EVENTS_LIMIT` bytes whose lines over :data:`LINE_LIMIT` are skipped.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+from hybrid_draft import files
+
+#: The largest events file read (a server writes a few dozen lines per start).
+EVENTS_LIMIT = 256 << 20
+#: The longest line read as an event (the layer's own lines are under 10 kB).
+LINE_LIMIT = 1 << 20
+#: The most processes, and loads per process, the terminal rendering shows (``--json`` has
+#: them all): a server has a handful; an events file of thousands is read, not printed.
+SHOWN = 200
+#: Fields that hold an object (the draft's ``sources``, the ``one_pass`` figures).
+OBJECTS = ("sources", "one_pass")
+NUMBERS = (
+    "seconds",
+    "bytes_read",
+    "tensors",
+    "shards",
+    "checkpoint_shards",
+    "checkpoint_bytes",
+)
 
 LOAD_KEYS = (
     "role",
@@ -41,18 +66,67 @@ SOURCES = {
 
 
 def read(lines: Iterable[str]) -> list[dict[str, Any]]:
-    """The JSON objects among ``lines`` (other output interleaved in a log is skipped)."""
+    """The JSON objects among ``lines`` (other output interleaved in a log is skipped, and so
+    is a line that nests too deeply or is too large to parse)."""
     events = []
     for line in lines:
         line = line.strip()
         if line.startswith("{"):
             try:
                 event = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError, MemoryError):
                 continue
             if isinstance(event, dict):
                 events.append(event)
     return events
+
+
+def _lines(path: str) -> Iterator[str]:
+    for _, line in files.read_lines(path, EVENTS_LIMIT, LINE_LIMIT):
+        yield line.decode("utf-8", errors="replace")
+
+
+def read_file(path: str) -> list[dict[str, Any]]:
+    """The events in the file at ``path`` (see the module doc for the limits); raises
+    :class:`FileNotFoundError`, or :class:`hybrid_draft.files.FileProblem` naming the file."""
+    return read(_lines(path))
+
+
+def _number(value: Any) -> int | float | None:
+    """A finite JSON number, else None (a string, a boolean, NaN...)."""
+    if type(value) in (int, float) and math.isfinite(value):
+        return value  # type: ignore[no-any-return]
+    return None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _pid(value: Any) -> int | str | None:
+    """A process key: the pid as written when it is a number or a string, else its JSON."""
+    if value is None or (type(value) is int) or isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, default=str)[:80]
+    except (ValueError, RecursionError):
+        return type(value).__name__
+
+
+def _row(e: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a ``loaded``/``load_failed`` event, each of the type it should be."""
+    row: dict[str, Any] = {}
+    for key in LOAD_KEYS:
+        value = e.get(key)
+        if key in NUMBERS:
+            row[key] = _number(value)
+        elif key == "tensor_filter":
+            row[key] = value if isinstance(value, bool) else None
+        elif key in OBJECTS:
+            row[key] = value if isinstance(value, dict) else None
+        else:
+            row[key] = _text(value)
+    return row
 
 
 def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, Any]:
@@ -68,7 +142,7 @@ def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, 
         out["bytes_saved"] = max(full - read_bytes, 0)
         out["share_read"] = read_bytes / full
     same = target is not None and target.get("model") == draft.get("model")
-    out["full_pass_seconds"] = target.get("seconds") if same else None
+    out["full_pass_seconds"] = target.get("seconds") if same and target is not None else None
     out["seconds"] = draft.get("seconds")
     out["seconds_saved"] = (
         round(out["full_pass_seconds"] - out["seconds"], 6)
@@ -78,32 +152,97 @@ def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, 
     return out
 
 
+#: What ranks of one server must agree on, per model and role.
+AGREED = ("chosen_format", "action", "reason", "settings_fingerprint")
+
+
+def _plain(value: Any) -> Any:
+    """A hashable, comparable stand-in for any JSON value (wrong types included)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _rank(e: Any) -> int | None:
+    """The integer ``rank`` of a decision event, else None."""
+    if not isinstance(e, dict) or e.get("event") != "hybrid_draft.decision":
+        return None
+    rank = e.get("rank")
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+
+
+def ranks(events: Iterable[Any]) -> list[int]:
+    """Every rank that left a decision."""
+    return sorted({r for r in map(_rank, events) if r is not None})
+
+
+def inconsistent(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """Ranks that decided differently from the other ranks, per model and role.
+
+    Only ``hybrid_draft.decision`` events with an integer ``rank`` count. For each model and
+    role, the decision most ranks took (:data:`AGREED`; a tie goes to the one of the lowest
+    rank) is the reference, and every rank with another decision is listed in one entry,
+    ``{"model", "role", "ranks", "detail"}``. Empty when all ranks agree.
+    """
+    seen: dict[tuple[Any, Any], dict[tuple[Any, ...], set[int]]] = {}
+    for e in events:
+        rank = _rank(e)
+        if rank is None:
+            continue
+        key = (_plain(e.get("model")), _plain(e.get("role")))
+        choice = tuple(_plain(e.get(k)) for k in AGREED)
+        seen.setdefault(key, {}).setdefault(choice, set()).add(rank)
+    out = []
+    for (model, role), choices in seen.items():
+        if len(choices) < 2:
+            continue
+        ordered = sorted(choices.items(), key=lambda c: (-len(c[1]), min(c[1])))
+        reference = ordered[0][0]
+        odd = sorted({r for _, members in ordered[1:] for r in members})
+        parts = [
+            f"rank(s) {_ranks(sorted(members))}: "
+            + ", ".join(f"{k}={v}" for k, v in zip(AGREED, choice, strict=True))
+            for choice, members in ordered
+        ]
+        detail = "; ".join(parts)
+        if any(r in choices[reference] for r in odd):
+            detail += " (a rank decided more than once, differently)"
+        out.append({"model": model, "role": role, "ranks": odd, "detail": detail})
+    return out
+
+
 def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Per process: its loads in order (with the decision that preceded each), failures,
-    and for each draft load what it saved against a second full pass."""
+    and for each draft load what it saved against a second full pass; and the ranks whose
+    decision differs from the other ranks' (``inconsistent``)."""
+    events = list(events)
     processes: dict[Any, dict[str, Any]] = {}
     pending: dict[Any, dict[str, Any]] = {}
     for e in events:
-        kind, pid = e.get("event"), e.get("pid")
+        kind, pid = e.get("event"), _pid(e.get("pid"))
         if kind == "hybrid_draft.decision":
             pending[pid] = e
             continue
         if kind not in ("hybrid_draft.loaded", "hybrid_draft.load_failed"):
             continue
         proc = processes.setdefault(pid, {"pid": pid, "loads": [], "failures": []})
-        row = {k: e.get(k) for k in LOAD_KEYS}
+        row = _row(e)
         decision = pending.pop(pid, None)
-        if decision is not None and decision.get("role") == e.get("role"):
+        if decision is not None and _text(decision.get("role")) == row["role"]:
             row.update(
-                action=decision.get("action"),
-                reason=decision.get("reason"),
-                mode=decision.get("mode"),
+                action=_text(decision.get("action")),
+                reason=_text(decision.get("reason")),
+                mode=_text(decision.get("mode")),
             )
         if kind == "hybrid_draft.loaded":
             proc["loads"].append(row)
         else:
             proc["failures"].append(
-                {**row, "error_type": e.get("error_type"), "error": e.get("error")}
+                {**row, "error_type": _text(e.get("error_type")), "error": _text(e.get("error"))}
             )
     for proc in processes.values():
         target = next((r for r in proc["loads"] if r["role"] == "target"), None)
@@ -114,10 +253,13 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "processes": list(processes.values()),
         "loads": sum(len(p["loads"]) for p in processes.values()),
         "failures": sum(len(p["failures"]) for p in processes.values()),
+        "ranks": ranks(events),
+        "inconsistent": inconsistent(events),
     }
 
 
-def _bytes(n: int | None) -> str:
+def _bytes(value: Any) -> str:
+    n = _number(value)
     if n is None:
         return "?"
     if n >= 1e9:
@@ -125,35 +267,75 @@ def _bytes(n: int | None) -> str:
     return f"{n / 1e6:,.2f} MB" if n >= 1e5 else f"{n / 1e3:,.1f} kB"
 
 
-def _num(v: Any, fmt: str = "{:,}") -> str:
+def _num(value: Any, fmt: str = "{:,}") -> str:
+    v = _number(value)
     return "?" if v is None else fmt.format(v)
+
+
+def _consistency(summary: dict[str, Any]) -> list[str]:
+    """One line per model and role whose ranks decided differently, else one line saying
+    that the ranks agreed (when there are two or more)."""
+    lines = [
+        f"INCONSISTENT {entry.get('role')} {entry.get('model')}: rank(s) "
+        f"{_ranks(entry.get('ranks') or [])} decided differently ({entry.get('detail')})"
+        for entry in summary.get("inconsistent") or []
+    ]
+    ranks = summary.get("ranks") or []
+    if not lines and len(ranks) > 1:
+        lines.append(f"ranks {_ranks(ranks)}: every rank decided alike")
+    return lines
 
 
 def render(summary: dict[str, Any]) -> str:
     """The terminal rendering of :func:`summarize`."""
     if not summary["processes"]:
-        return "no model loads in these events (no hybrid_draft.loaded or load_failed event)"
-    lines = []
-    for proc in summary["processes"]:
-        lines.append(f"process {proc['pid']}")
-        lines.append(
-            f"  {'role':<7}{'format':<24}{'seconds':>9}{'read':>13}{'tensors':>9}"
-            f"{'shards':>10}  decision"
+        # Decisions without loads (a load that never returned) still say whether ranks agreed.
+        return "\n".join(
+            [
+                "no model loads in these events (no hybrid_draft.loaded or load_failed event)",
+                *_consistency(summary),
+            ]
         )
-        for row in proc["loads"]:
+    from hybrid_draft.tools import tables
+
+    columns = [
+        ("role", "left"),
+        ("format", "left"),
+        ("seconds", "right"),
+        ("read", "right"),
+        ("tensors", "right"),
+        ("shards", "right"),
+        ("decision", "left"),
+    ]
+    lines = []
+    for proc in summary["processes"][:SHOWN]:
+        lines.append(f"process {proc['pid']}")
+        rows = []
+        for row in proc["loads"][:SHOWN]:
             fmt = row["load_format"] or "?"
             if row.get("tensor_filter"):
                 fmt += " (filtered)"
             shards = (
-                f"{row['shards']}/{row['checkpoint_shards']}" if row["shards"] is not None else "?"
+                f"{_num(row['shards'])}/{_num(row['checkpoint_shards'])}"
+                if row["shards"] is not None
+                else "?"
             )
             decision = f"{row.get('action')} ({row.get('reason')})" if row.get("reason") else ""
-            lines.append(
-                f"  {row['role'] or '?':<7}{fmt:<24}{_num(row['seconds'], '{:.2f}'):>9}"
-                f"{_bytes(row['bytes_read']):>13}{_num(row['tensors']):>9}"
-                f"{shards:>10}  {decision}"
+            rows.append(
+                [
+                    row["role"] or "?",
+                    fmt,
+                    _num(row["seconds"], "{:.2f}"),
+                    _bytes(row["bytes_read"]),
+                    _num(row["tensors"]),
+                    shards,
+                    decision,
+                ]
             )
-        for row in proc["loads"]:
+        lines.append(tables.render(columns, rows, indent=2))
+        if len(proc["loads"]) > SHOWN:
+            lines.append(f"  ... {len(proc['loads']) - SHOWN} more load(s) (--json has them all)")
+        for row in proc["loads"][:SHOWN]:
             src = row.get("sources")
             if isinstance(src, dict) and all(isinstance(src.get(k), dict) for k in SOURCES):
                 lines.append(
@@ -164,7 +346,7 @@ def render(summary: dict[str, Any]) -> str:
                         for k, what in SOURCES.items()
                     )
                 )
-        for row in proc["loads"]:
+        for row in proc["loads"][:SHOWN]:
             s = row.get("vs_full_pass")
             if not s:
                 continue
@@ -180,12 +362,16 @@ def render(summary: dict[str, Any]) -> str:
                     f"{s['full_pass_seconds']:.2f} s ({s['seconds_saved']:+.2f} s saved)"
                 )
             lines.append(text)
-        for row in proc["failures"]:
+        for row in proc["failures"][:SHOWN]:
             lines.append(
                 f"  FAILED {row['role'] or '?'} load ({row['load_format']}) after "
                 f"{_num(row['seconds'], '{:.2f}')} s: {row['error_type']}: "
-                f"{row['error']}"
+                f"{files.one_line(str(row['error']), 2000)}"
             )
+    if len(summary["processes"]) > SHOWN:
+        more = len(summary["processes"]) - SHOWN
+        lines.append(f"... {more} more process(es) (--json has them all)")
+    lines.extend(_consistency(summary))
     lines.append(
         f"{summary['loads']} load(s), {summary['failures']} failed, in "
         f"{len(summary['processes'])} process(es)"

@@ -8,8 +8,16 @@ the draft with no ``load_failed``. In mode ``selective``, a draft that fell back
 safetensors because the host has no CUDA passes with a ``WARN`` line (that fallback is by
 design); a fallback for any other cause fails, naming it. Then it prints the events file's
 load report (``hybrid-draft report``) and a last line with the verdict. Exits 1 if any check
-fails. The checks are plain functions of what the server returned, so tests feed them real
-vLLM output without a GPU.
+fails, 2 on bad arguments. The checks are plain functions of what the server returned, so
+tests feed them real vLLM output without a GPU.
+
+Bounded in time and size: the whole run, waiting for ``/health`` included, ends within
+``--deadline`` seconds (each request also has its own timeout, cut to what is left); a
+request runs in a worker thread the command stops waiting for at its limit, so a server
+that sends its headers and then trickles bytes cannot hold it; an answer over
+:data:`BODY_LIMIT` bytes is a failure. Every answer that is not what vLLM sends (a
+``/v1/models`` that is a list, ``{"data": "x"}``, a ``/metrics`` that is not Prometheus text)
+is a ``FAIL`` line naming the endpoint and what it returned.
 """
 
 from __future__ import annotations
@@ -17,20 +25,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_draft import policy
+from hybrid_draft import files, policy
+from hybrid_draft.tools import args as types
 from hybrid_draft.tools import report
 
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 PROMPTS = ("The quick brown fox", "Speculative decoding is", "In a hybrid loader,")
 #: The one ``selective_fallback`` cause that is not a fault: a host without CUDA.
 NO_CUDA = "no_cuda"
+#: The default overall deadline (s): compose's smoke service waits up to 120 s for
+#: ``/health``; the rest is for the checks (seconds each on a served model).
+DEFAULT_DEADLINE = 300.0
+#: The largest answer read from one endpoint (vLLM's /metrics is well under 1 MB).
+BODY_LIMIT = 32 << 20
+CONNECT_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -46,53 +61,100 @@ class Result:
         return f"{tag} {self.name}: {self.detail}"
 
 
-def check_models(payload: dict[str, Any], model: str | None) -> Result:
-    ids = [m.get("id") for m in payload.get("data", [])]
+def excerpt(value: object, limit: int = 80) -> str:
+    """A short, one-line rendering of what an endpoint returned."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="replace")
+    if isinstance(value, str):
+        return files.show(value[: limit * 2], limit)
+    try:
+        text = json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        text = files.show(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_models(payload: Any, model: str | None, where: str = "/v1/models") -> Result:
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        return Result(
+            "models",
+            False,
+            f"{where} returned {excerpt(payload)}, not an object with a data list of models",
+        )
+    ids = [m.get("id") for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
     if not ids:
-        return Result("models", False, "/v1/models lists no model")
+        return Result("models", False, f"{where} lists no model: {excerpt(payload)}")
     if model is not None and model not in ids:
-        return Result("models", False, f"/v1/models lists {ids}, not {model!r}")
-    return Result("models", True, f"/v1/models lists {ids}")
+        return Result("models", False, f"{where} lists {ids}, not {model!r}")
+    return Result("models", True, f"{where} lists {ids}")
 
 
-def check_completions(responses: list[dict[str, Any]]) -> Result:
-    texts = []
-    for r in responses:
-        choices = r.get("choices") or [{}]
-        texts.append(choices[0].get("text"))
-    empty = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t]
+def _completion_text(response: Any) -> str | None:
+    choices = response.get("choices") if isinstance(response, dict) else None
+    first = choices[0] if isinstance(choices, list) and choices else None
+    text = first.get("text") if isinstance(first, dict) else None
+    return text if isinstance(text, str) and text else None
+
+
+def check_completions(responses: list[Any]) -> Result:
+    texts = [_completion_text(r) for r in responses]
+    empty = [i for i, t in enumerate(texts) if t is None]
     if not texts or empty:
-        return Result("completions", False, f"{len(empty)} of {len(texts)} returned no text")
+        first = responses[empty[0]] if empty else None
+        why = ""
+        if isinstance(first, dict) and isinstance(first.get("error"), str):
+            why = f"; the first: {first['error']}"
+        elif empty:
+            why = f"; the first returned {excerpt(first)}"
+        return Result("completions", False, f"{len(empty)} of {len(texts)} returned no text{why}")
+    first_text = texts[0] or ""
     return Result(
-        "completions", True, f"{len(texts)} completions returned text, e.g. {texts[0][:40]!r}"
+        "completions", True, f"{len(texts)} completions returned text, e.g. {first_text[:40]!r}"
     )
 
 
 def draft_tokens(metrics_text: str) -> float | None:
-    """Total draft tokens proposed, from Prometheus text (None when the metric is absent)."""
+    """Total draft tokens proposed, from Prometheus text (None when the metric is absent).
+    Raises ValueError for text that is not Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
     total = None
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != DRAFT_TOKENS:
-            continue
-        for sample in family.samples:
-            if sample.name == f"{DRAFT_TOKENS}_total":
-                total = (total or 0.0) + sample.value
+    families = 0
+    try:
+        for family in text_string_to_metric_families(metrics_text):
+            families += 1
+            if family.name != DRAFT_TOKENS:
+                continue
+            for sample in family.samples:
+                if sample.name == f"{DRAFT_TOKENS}_total":
+                    total = (total or 0.0) + sample.value
+    except Exception as exc:  # the parser's errors: ValueError, IndexError, TypeError...
+        raise ValueError(f"{type(exc).__name__}: {files.one_line(str(exc), 120)}") from None
+    if not families and metrics_text.strip():
+        raise ValueError("no metric in it")
     return total
 
 
-def check_metrics(metrics_text: str) -> Result:
-    total = draft_tokens(metrics_text)
+def check_metrics(metrics_text: str, where: str = "/metrics") -> Result:
+    name = "speculative metrics"
+    try:
+        total = draft_tokens(metrics_text)
+    except ValueError as exc:
+        return Result(
+            name,
+            False,
+            f"{where} returned {excerpt(metrics_text)}, not Prometheus text ({exc})",
+        )
     if total is None:
         return Result(
-            "speculative metrics",
+            name,
             False,
-            f"no {DRAFT_TOKENS}_total in /metrics (is speculative decoding on?)",
+            f"no {DRAFT_TOKENS}_total in {where} (is speculative decoding on?)",
         )
     if total <= 0:
-        return Result("speculative metrics", False, f"{DRAFT_TOKENS}_total is {total:g}")
-    return Result("speculative metrics", True, f"{DRAFT_TOKENS}_total = {total:g}")
+        return Result(name, False, f"{DRAFT_TOKENS}_total is {total:g}")
+    return Result(name, True, f"{DRAFT_TOKENS}_total = {total:g}")
 
 
 def read_events(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -201,72 +263,159 @@ def check_events(events: list[dict[str, Any]], mode: str) -> list[Result]:
     ]
 
 
-def _get(url: str, timeout: float = 30.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
+class Deadline:
+    """The time the whole run may take."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read().decode())
+class HTTPFailure(Exception):
+    """A request that did not get a usable answer; ``str()`` is one line saying why."""
 
 
-def wait_healthy(base: str, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
+def _exchange(
+    method: str, url: str, body: dict[str, Any] | None, timeout: float, stop_at: float
+) -> tuple[int, bytes]:
+    import requests
+
+    with requests.request(
+        method,
+        url,
+        json=body,
+        timeout=(min(CONNECT_TIMEOUT, timeout), timeout),
+        stream=True,
+        allow_redirects=False,
+    ) as r:
+        chunks, size = [], 0
+        for chunk in r.iter_content(chunk_size=1 << 16):
+            size += len(chunk)
+            if size > BODY_LIMIT:
+                raise HTTPFailure(f"answered more than {BODY_LIMIT:,} bytes")
+            if time.monotonic() > stop_at:
+                raise HTTPFailure(f"did not finish its answer within {timeout:g} s")
+            chunks.append(chunk)
+        return r.status_code, b"".join(chunks)
+
+
+def request(
+    method: str,
+    url: str,
+    deadline: Deadline,
+    timeout: float,
+    body: dict[str, Any] | None = None,
+) -> bytes:
+    """The body of a 2xx answer to ``method url``, within ``timeout`` and the deadline;
+    :class:`HTTPFailure` (one line naming the request) for anything else."""
+    what = f"{method} {url}"
+    limit = min(timeout, deadline.left())
+    if limit <= 0:
+        raise HTTPFailure(
+            f"{what}: not sent, the overall deadline ({deadline.seconds:g} s) has passed"
+        )
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            outcome["answer"] = _exchange(method, url, body, limit, time.monotonic() + limit)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=work, name=f"smoke {what}", daemon=True)
+    worker.start()
+    worker.join(limit + 0.5)
+    if worker.is_alive():  # left behind: a daemon thread ends with the command
+        raise HTTPFailure(f"{what}: no complete answer within {limit:g} s")
+    if "error" in outcome:
+        exc = outcome["error"]
+        detail = str(exc) if isinstance(exc, HTTPFailure) else f"{type(exc).__name__}: {exc}"
+        raise HTTPFailure(f"{what}: {files.one_line(detail, 200)}")
+    status, data = outcome["answer"]
+    if not 200 <= status < 300:
+        raise HTTPFailure(f"{what}: HTTP {status}: {excerpt(data)}")
+    return data  # type: ignore[no-any-return]
+
+
+def _json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError, MemoryError):
+        raise HTTPFailure(f"{what} returned {excerpt(data)}, not JSON") from None
+
+
+def wait_healthy(base: str, seconds: float, deadline: Deadline | None = None) -> bool:
+    """Whether ``base``/health answered within ``seconds`` (and the deadline)."""
+    deadline = deadline or Deadline(seconds)
+    stop = time.monotonic() + min(seconds, max(deadline.left(), 0.0))
     while True:
         try:
-            _get(f"{base}/health", timeout=5)
+            request("GET", f"{base}/health", deadline, min(5.0, stop - time.monotonic()))
             return True
-        except (urllib.error.URLError, OSError):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(2)
+        except HTTPFailure:
+            pass
+        left = stop - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(2.0, left))
 
 
 def load_events(events_file: str) -> tuple[list[dict[str, Any]] | None, Result | None]:
     """The events file's events, or why it could not be read."""
     try:
-        with open(events_file, encoding="utf-8", errors="replace") as f:
-            return read_events(f), None
-    except OSError as exc:
-        return None, Result("events", False, f"cannot read {events_file}: {exc}")
+        return report.read_file(events_file), None
+    except FileNotFoundError:
+        return None, Result("events", False, f"{files.show_path(events_file)}: no such file")
+    except files.FileProblem as exc:
+        return None, Result("events", False, f"cannot read the events file: {exc}")
 
 
 def run_checks(
-    base: str, model: str | None, events_file: str, mode: str, count: int
+    base: str,
+    model: str | None,
+    events_file: str,
+    mode: str,
+    count: int,
+    deadline: Deadline | None = None,
 ) -> list[Result]:
+    deadline = deadline or Deadline(DEFAULT_DEADLINE)
     results: list[Result] = []
+    url = f"{base}/v1/models"
     try:
-        models = json.loads(_get(f"{base}/v1/models"))
-        results.append(check_models(models, model))
-        model = model or models["data"][0]["id"]
-    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as exc:
-        return [Result("models", False, f"GET {base}/v1/models failed: {exc}")]
-    responses = []
+        models = _json(request("GET", url, deadline, 30.0), f"GET {url}")
+    except HTTPFailure as exc:
+        return [Result("models", False, str(exc))]
+    listed = check_models(models, model, f"GET {url}")
+    results.append(listed)
+    if not listed.ok and model is None:
+        return results
+    model = model or next(
+        m["id"] for m in models["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)
+    )
+    responses: list[Any] = []
+    url = f"{base}/v1/completions"
     for prompt in (PROMPTS * count)[:count]:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         try:
-            responses.append(
-                _post(
-                    f"{base}/v1/completions",
-                    {
-                        "model": model,
-                        "prompt": prompt,
-                        "max_tokens": 24,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    },
-                )
-            )
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+            responses.append(_json(request("POST", url, deadline, 120.0, body), f"POST {url}"))
+        except HTTPFailure as exc:
             responses.append({"error": str(exc)})
     results.append(check_completions(responses))
+    url = f"{base}/metrics"
     try:
-        results.append(check_metrics(_get(f"{base}/metrics")))
-    except (urllib.error.URLError, OSError) as exc:
-        results.append(Result("speculative metrics", False, f"GET /metrics failed: {exc}"))
+        text = request("GET", url, deadline, 30.0).decode("utf-8", errors="replace")
+        results.append(check_metrics(text, f"GET {url}"))
+    except HTTPFailure as exc:
+        results.append(Result("speculative metrics", False, str(exc)))
     events, problem = load_events(events_file)
     if events is None:
         results.append(problem)  # type: ignore[arg-type]
@@ -276,8 +425,23 @@ def run_checks(
     return results
 
 
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")) or len(text) <= len("https://"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
+    return text
+
+
+def _mode(text: str) -> str:
+    mode = text.strip().lower()
+    if mode not in policy.DRAFT_FORMAT_BY_MODE:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a mode; accepted: {', '.join(policy.DRAFT_FORMAT_BY_MODE)}"
+        )
+    return mode
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=os.environ.get("SMOKE_URL", "http://localhost:8000"))
+    p.add_argument("--url", type=_url, default=os.environ.get("SMOKE_URL", "http://localhost:8000"))
     p.add_argument(
         "--model",
         default=os.environ.get("SMOKE_MODEL") or None,
@@ -289,18 +453,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the layer's JSONL events file the server writes",
     )
     p.add_argument(
-        "--mode", default=None, help="the draft mode the server runs (default: read the settings)"
+        "--mode",
+        type=_mode,
+        default=None,
+        help="the draft mode the server runs (default: read the settings)",
     )
-    p.add_argument("--completions", type=int, default=3)
+    p.add_argument("--completions", type=types.integer(1, 1000), default=3)
     p.add_argument(
-        "--wait", type=float, default=0.0, help="seconds to wait for /health before checking"
+        "--wait",
+        type=types.non_negative,
+        default=0.0,
+        help="seconds to wait for /health before checking (within the deadline)",
+    )
+    p.add_argument(
+        "--deadline",
+        type=types.positive,
+        default=DEFAULT_DEADLINE,
+        help=f"seconds the whole run may take, the wait included (default {DEFAULT_DEADLINE:g}); "
+        "what is not done by then fails",
     )
 
 
 def main(args: argparse.Namespace) -> int:
     from hybrid_draft import settings
 
+    deadline = Deadline(args.deadline)
     base = args.url.rstrip("/")
+    if not args.events_file:
+        print(
+            "hybrid-draft smoke: no events file: pass --events-file or set "
+            "HYBRID_DRAFT_EVENTS_FILE",
+            file=sys.stderr,
+        )
+        return 2
     mode = args.mode
     if mode is None:
         try:
@@ -308,19 +493,11 @@ def main(args: argparse.Namespace) -> int:
         except settings.ConfigError as exc:
             print(f"FAIL settings: {exc}", flush=True)
             return 1
-    if mode not in policy.DRAFT_FORMAT_BY_MODE:
-        print(
-            f"FAIL settings: mode {mode!r} is not one of {', '.join(policy.DRAFT_FORMAT_BY_MODE)}",
-            flush=True,
-        )
+    if args.wait and not wait_healthy(base, args.wait, deadline):
+        limit = min(args.wait, deadline.seconds)
+        print(f"FAIL health: {base}/health did not answer within {limit:g} s", flush=True)
         return 1
-    if not args.events_file:
-        print("FAIL events: no events file (--events-file or HYBRID_DRAFT_EVENTS_FILE)")
-        return 1
-    if args.wait and not wait_healthy(base, args.wait):
-        print(f"FAIL health: {base}/health did not answer within {args.wait:g} s", flush=True)
-        return 1
-    results = run_checks(base, args.model, args.events_file, mode, args.completions)
+    results = run_checks(base, args.model, args.events_file, mode, args.completions, deadline)
     for r in results:
         print(r.line(), flush=True)
     events, _ = load_events(args.events_file)

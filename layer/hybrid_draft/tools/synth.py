@@ -13,13 +13,15 @@ Only the standard library is needed, except for ``fill="normal"`` (numpy) and th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from hybrid_draft import checkpoint
 
@@ -46,7 +48,7 @@ class Tensor:
 class Layout:
     """An architecture's ``config.json`` and its tensors in export order."""
 
-    config: dict
+    config: dict[str, Any]
     tensors: list[Tensor]
     is_mtp: frozenset[str] = field(default_factory=frozenset)
 
@@ -63,7 +65,7 @@ def _linear(out: list[Tensor], name: str, rows: int, cols: int, dtype: str, fp8:
         out.append(Tensor(f"{name}.weight", (rows, cols), dtype))
 
 
-def _mlp(out: list[Tensor], prefix: str, p: dict, moe: bool, fp8: bool = False) -> None:
+def _mlp(out: list[Tensor], prefix: str, p: dict[str, Any], moe: bool, fp8: bool = False) -> None:
     """The DeepSeek/GLM MLP: routed experts, a router with its score bias, and shared
     experts in a MoE layer; gate/up/down projections in a dense one."""
     h = p["hidden_size"]
@@ -83,7 +85,9 @@ def _mlp(out: list[Tensor], prefix: str, p: dict, moe: bool, fp8: bool = False) 
     _linear(out, f"{prefix}down_proj", h, inter, "BF16", fp8)
 
 
-def _with_nextn_layer(config: dict, p: dict, block: Any, *, own_embed_and_head: bool) -> Layout:
+def _with_nextn_layer(
+    config: dict[str, Any], p: dict[str, Any], block: Any, *, own_embed_and_head: bool
+) -> Layout:
     """A DeepSeek/GLM export: embedding, ``N`` blocks, norm and head, then the MTP layer
     ``N`` (its input norms and projection, one more block, its shared head's norm, and in
     DeepSeek's export its own copies of the embedding and the head)."""
@@ -108,7 +112,7 @@ def _with_nextn_layer(config: dict, p: dict, block: Any, *, own_embed_and_head: 
 
 # --- Qwen3.5 (dense text model, gated delta-net + full attention, mtp.* head) -------------
 
-QWEN3_5_PRESETS: dict[str, dict] = {
+QWEN3_5_PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests: the smallest shapes vLLM's CPU path accepts.
     "tiny": dict(
         vocab_size=512,
@@ -221,7 +225,7 @@ def qwen3_5(preset: str = "tiny", **overrides: int) -> Layout:
 
 # --- DeepSeek-V3 (MLA attention, optional MoE and FP8 block scales) -----------------------
 
-_DEEPSEEK_V3_TINY: dict = dict(
+_DEEPSEEK_V3_TINY: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
@@ -241,7 +245,7 @@ _DEEPSEEK_V3_TINY: dict = dict(
     first_k_dense_replace=1,
 )
 
-DEEPSEEK_V3_PRESETS: dict[str, dict] = {
+DEEPSEEK_V3_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _DEEPSEEK_V3_TINY,
     # What vLLM's CPU build serves (its end-to-end test, the local CPU image): the tiny
     # shapes with DeepSeek's real MLA ranks, since its CPU MLA attention takes only head
@@ -341,7 +345,7 @@ def deepseek_v3(
 
 # --- GLM-4.5 MoE (GQA attention with bias, MoE from layer 1, one MTP layer) ----------------
 
-GLM4_MOE_PRESETS: dict[str, dict] = {
+GLM4_MOE_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vocab_size=512,
         hidden_size=64,
@@ -472,7 +476,7 @@ def qwen3(preset: str = "tiny", **overrides: int) -> Layout:
     return Layout(config, tensors)
 
 
-ARCHITECTURES = {
+ARCHITECTURES: dict[str, Callable[..., Layout]] = {
     "qwen3_5": qwen3_5,
     "deepseek_v3": deepseek_v3,
     "glm4_moe": glm4_moe,
@@ -568,7 +572,7 @@ def _normal_bytes(t: Tensor, rng: object) -> bytes:
         # Small finite e4m3 codes (sign, exponent 0-6, any mantissa): never NaN.
         codes = rng.integers(0, 0x37, count, dtype=np.uint8)  # type: ignore[attr-defined]
         signs = rng.integers(0, 2, count, dtype=np.uint8) << 7  # type: ignore[attr-defined]
-        return (codes | signs).tobytes()
+        return bytes((codes | signs).tobytes())
     return bytes(t.nbytes)
 
 
@@ -599,6 +603,15 @@ def _write_data(f: object, tensors: list[Tensor], fill: str, seed: int) -> None:
         remaining -= len(chunk)
 
 
+#: Present in a directory while make-checkpoint writes into it, removed when it is done: a
+#: directory holding it is make-checkpoint's own unfinished output, safe to write again.
+MARKER = ".hybrid-draft-make-checkpoint"
+
+
+class TargetError(ValueError):
+    """A target directory make-checkpoint cannot write into (one line naming it)."""
+
+
 def is_complete(directory: str | os.PathLike[str]) -> bool:
     """A checkpoint is complete once its config and its index (or single shard) are there.
 
@@ -608,6 +621,61 @@ def is_complete(directory: str | os.PathLike[str]) -> bool:
     return (d / "config.json").is_file() and (
         (d / checkpoint.INDEX_NAME).is_file() or (d / "model.safetensors").is_file()
     )
+
+
+def target_state(directory: str | os.PathLike[str]) -> str:
+    """What is at ``directory``: ``missing`` or ``empty`` (free to write), ``partial``
+    (make-checkpoint's own unfinished output), ``complete`` (a checkpoint) or ``occupied``
+    (anything else). :class:`TargetError` when it is not a directory."""
+    d = Path(directory)
+    try:
+        st = os.stat(d)
+    except FileNotFoundError:
+        return "missing"
+    except NotADirectoryError:
+        raise TargetError(f"{d}: a parent of the target is not a directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise TargetError(f"{d}: exists and is not a directory")
+    if os.path.lexists(d / MARKER):
+        return "partial"
+    if is_complete(d):
+        return "complete"
+    with os.scandir(d) as entries:
+        return "occupied" if any(True for _ in entries) else "empty"
+
+
+@contextlib.contextmanager
+def marked(directory: str | os.PathLike[str]) -> Iterator[None]:
+    """Write into ``directory`` (created if need be) under :data:`MARKER`, removed at the end
+    only if the writes all succeeded."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    write_file(d / MARKER, lambda f: f.write(b"make-checkpoint is writing here\n"))
+    yield
+    os.unlink(d / MARKER)
+
+
+def write_file(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write ``path`` through a new file beside it, renamed over ``path`` at the end: never
+    through a symbolic link (the rename replaces a link, not what it points to), and never
+    a half-written file under the final name."""
+    tmp = path.with_name(f".{path.name}.partial")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of an interrupted run (a link is removed, not followed)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_text(path: Path, text: str) -> None:
+    write_file(path, lambda f: f.write(text.encode()))
 
 
 def write_checkpoint(
@@ -621,29 +689,38 @@ def write_checkpoint(
     """Write ``config.json``, the shards and, last, the safetensors index; return the directory.
 
     ``fill``: ``normal`` (finite seeded values, numpy), ``noise`` (fast random bytes) or
-    ``sparse`` (headers only; the data is a hole in the file).
+    ``sparse`` (headers only; the data is a hole in the file). Each file is written by
+    :func:`write_file` (never through a symbolic link).
     """
     if fill not in ("normal", "noise", "sparse"):
         raise ValueError(f"fill={fill!r}: accepted values are normal, noise, sparse")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(layout.config, indent=2) + "\n")
+    _write_text(out / "config.json", json.dumps(layout.config, indent=2) + "\n")
     weight_map: dict[str, str] = {}
     total = 0
     for i, tensors in enumerate(shards):
         name = shard_name(i, len(shards))
         header, size = _header(tensors)
-        path = out / name
-        with open(path, "wb") as f:
+
+        def write(
+            f: IO[bytes],
+            header: bytes = header,
+            size: int = size,
+            i: int = i,
+            tensors: list[Tensor] = tensors,
+        ) -> None:
             f.write(header)
             if fill == "sparse":
                 f.truncate(len(header) + size)
             else:
                 _write_data(f, tensors, fill, seed * 100003 + i)
+
+        write_file(out / name, write)
         weight_map.update({t.name: name for t in tensors})
         total += size
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / checkpoint.INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
+    _write_text(out / checkpoint.INDEX_NAME, json.dumps(index, indent=1) + "\n")
     return out
 
 
@@ -672,8 +749,10 @@ def write_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int) -> None:
         ]
     )
     out = Path(out_dir)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
+    out.mkdir(parents=True, exist_ok=True)
+    _write_text(out / "tokenizer.json", tok.to_str(pretty=True))
+    _write_text(
+        out / "tokenizer_config.json",
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
@@ -687,8 +766,8 @@ def write_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int) -> None:
             },
             indent=2,
         )
-        + "\n"
+        + "\n",
     )
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 0, "eos_token_id": 1}) + "\n"
+    _write_text(
+        out / "generation_config.json", json.dumps({"bos_token_id": 0, "eos_token_id": 1}) + "\n"
     )

@@ -8,7 +8,8 @@ Python process started there (vLLM's API server, engine core, workers), the ``.p
 post-import finder on ``sys.meta_path`` which, once ``weight_utils`` has executed, replaces
 its ``instanttensor_weights_iterator`` (and the name ``default_loader`` binds) by one that
 reads the same files as InstantTensor does, every byte of every shard, each tensor a copy
-(vLLM's own safetensors iterator, strategy ``eager``). Nothing else in vLLM, and
+(vLLM's own safetensors iterator, strategy ``eager``), and then drops them from the page
+cache, as a checkpoint far larger than memory would not stay there. Nothing else in vLLM, and
 nothing of hybrid-draft, is replaced. On a CUDA platform it calls the real iterator.
 
 It never goes into the wheel or an image. Every call is recorded, one JSON line each, in
@@ -48,6 +49,22 @@ def record(**fields: Any) -> None:
         os.close(fd)
 
 
+def _leaving_cold(files: list[str], weights: Any) -> Any:
+    """Yield ``weights``, then drop the shards' pages from the page cache: a checkpoint of
+    hundreds of GB does not stay cached behind its streaming read, so a later load reads
+    from storage whatever it reads, and its ``bytes_read`` shows it."""
+    yield from weights
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def make_standin(weight_utils: Any) -> Any:
     real = getattr(weight_utils, NAME)
 
@@ -70,8 +87,11 @@ def make_standin(weight_utils: Any) -> Any:
             local_expert_ids=sorted(local_expert_ids) if local_expert_ids else None,
         )
         # As InstantTensor does: every byte of every shard read, every tensor a copy.
-        return weight_utils.safetensors_weights_iterator(
-            files, use_tqdm_on_load, "eager", local_expert_ids
+        return _leaving_cold(
+            files,
+            weight_utils.safetensors_weights_iterator(
+                files, use_tqdm_on_load, "eager", local_expert_ids
+            ),
         )
 
     instanttensor_weights_iterator.__wrapped__ = real  # type: ignore[attr-defined]

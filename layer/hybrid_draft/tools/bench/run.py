@@ -30,9 +30,25 @@ DRAFT_NAMES = "bench-draft-tensors.json"
 NEEDS_VLLM = ("lazy", "lazy_pruned", "auto", "selective", "one_pass")
 
 
+#: The largest checkpoint bench writes (GiB): a bound on a typo, not on the storage.
+MAX_SIZE_GIB = 4096.0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", type=float, default=8.0, help="checkpoint size in GiB (default 8)")
-    p.add_argument("--runs", type=int, default=3, help="cold runs per strategy (default 3)")
+    from hybrid_draft.tools import args as types
+
+    p.add_argument(
+        "--size",
+        type=types.at_most(types.positive, MAX_SIZE_GIB),
+        default=8.0,
+        help="checkpoint size in GiB (default 8)",
+    )
+    p.add_argument(
+        "--runs",
+        type=types.integer(1, 1000),
+        default=3,
+        help="cold runs per strategy (default 3)",
+    )
     p.add_argument("--out", default="bench-out", help="where bench.json and bench.png go")
     p.add_argument(
         "--checkpoint",
@@ -47,13 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--startup-runs",
-        type=int,
+        type=types.integer(0, 100_000),
         default=40,
         help="interpreter starts per variant for the .pth cost (0 skips)",
     )
     p.add_argument(
         "--hook-runs",
-        type=int,
+        type=types.integer(0, 10_000),
         default=3,
         help="fresh processes timing the model-loader hook (0 skips)",
     )
@@ -82,7 +98,7 @@ def shares(layout: Any) -> dict[str, float]:
     }
 
 
-def _dims(hidden: int, moe: int, vocab: int) -> dict[str, int]:
+def _dims(hidden: int, moe: int, vocab: int) -> dict[str, Any]:
     """DeepSeek-V3's structure at another width: its 61 layers, 3 of them dense, MLA ranks
     and dense width in its ratios to the hidden size, 8 routed experts of width ``moe``."""
     return dict(
@@ -129,24 +145,47 @@ def bench_layout(size_bytes: int) -> Any:
     raise AssertionError("unreachable")
 
 
+class BenchError(ValueError):
+    """Bad input to bench: one line naming it."""
+
+
+def _stamp(directory: Path) -> Any:
+    from hybrid_draft import files
+
+    try:
+        return files.read_json(directory / "bench-layout.json", 1 << 16)
+    except (FileNotFoundError, files.FileProblem):
+        return None
+
+
 def prepare_checkpoint(directory: Path, size_gib: float) -> Path:
-    """Write the checkpoint unless one of the same size and layout version is there."""
+    """Write the checkpoint unless one of the same size and layout version is there; refuse a
+    directory that holds anything but a bench checkpoint (it is never overwritten)."""
     from hybrid_draft.tools import synth
 
     stamp = directory / "bench-layout.json"
     want = {"size_gib": size_gib, "version": LAYOUT_VERSION}
-    if stamp.is_file() and json.loads(stamp.read_text()).items() >= want.items():
+    found = _stamp(directory)
+    if isinstance(found, dict) and found.items() >= want.items():
         return directory
+    state = synth.target_state(directory)
+    if found is None and state in ("occupied", "complete"):
+        raise BenchError(
+            f"{directory} holds files that are not a bench checkpoint; name a new or empty "
+            "directory with --checkpoint (bench never overwrites one)"
+        )
     size = int(size_gib * GIB)
     layout = bench_layout(size)
     shard_bytes = GIB if size >= 4 * GIB else max(size // 8, 1 << 20)
     shards = synth.shard(layout, shard_bytes=shard_bytes)
     print(f"writing a {size_gib:g} GiB checkpoint to {directory} ...", flush=True)
-    synth.write_checkpoint(directory, layout, shards, fill="noise", seed=1)
-    # What DeepSeekMTP loads, from the layout: used where vLLM is not installed.
-    draft = sorted(layout.is_mtp | {"model.embed_tokens.weight"})
-    (directory / DRAFT_NAMES).write_text(json.dumps(draft))
-    stamp.write_text(json.dumps({**want, "shares": shares(layout)}))
+    with synth.marked(directory):
+        synth.write_checkpoint(directory, layout, shards, fill="noise", seed=1)
+        # What DeepSeekMTP loads, from the layout: used where vLLM is not installed.
+        draft = sorted(layout.is_mtp | {"model.embed_tokens.weight"})
+        synth.write_file(directory / DRAFT_NAMES, lambda f: f.write(json.dumps(draft).encode()))
+        stamped = {**want, "shares": shares(layout)}
+        synth.write_file(stamp, lambda f: f.write(json.dumps(stamped).encode()))
     return directory
 
 
@@ -230,7 +269,8 @@ def run_strategy(name: str, shared: dict[str, Any], runs: int) -> dict[str, Any]
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        return json.loads(Path(spec["result_file"]).read_text())
+        result: dict[str, Any] = json.loads(Path(spec["result_file"]).read_text())
+        return result
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
@@ -282,33 +322,54 @@ def _fmt_bytes(n: float) -> str:
 
 
 def table(result: dict[str, Any], key: str = "strategies") -> str:
-    rows = [
-        f"{'strategy':<14}{'median s':>10}{'spread s':>16}{'GB/s':>8}{'bytes read':>13}"
-        f"{'resident':>12}{'peak RSS':>11}{'/ limit':>9}{'full /':>8}"
-    ]
-    for name, s in result[key].items():
-        spread = f"{s['min_seconds']:.3f}-{s['max_seconds']:.3f}"
-        vs = f"{s['vs_limit']:.2f}x" if s.get("vs_limit") else "-"
-        up = f"{s['full_pass_speedup']:.1f}x" if s.get("full_pass_speedup") else "-"
-        rows.append(
-            f"{name:<14}{s['median_seconds']:>10.3f}{spread:>16}{s['gb_per_s']:>8.2f}"
-            f"{_fmt_bytes(s['bytes_read']):>13}{_fmt_bytes(s['resident_bytes']):>12}"
-            f"{_fmt_bytes(s['peak_rss']):>11}{vs:>9}{up:>8}"
+    from hybrid_draft.tools import tables
+
+    columns = [("strategy", "left")] + [
+        (h, "right")
+        for h in (
+            "median s",
+            "spread s",
+            "GB/s",
+            "bytes read",
+            "resident",
+            "peak RSS",
+            "/ limit",
+            "full /",
         )
-    rows += [
+    ]
+    rows = []
+    for name, s in result[key].items():
+        rows.append(
+            [
+                name,
+                f"{s['median_seconds']:.3f}",
+                f"{s['min_seconds']:.3f}-{s['max_seconds']:.3f}",
+                f"{s['gb_per_s']:.2f}",
+                _fmt_bytes(s["bytes_read"]),
+                _fmt_bytes(s["resident_bytes"]),
+                _fmt_bytes(s["peak_rss"]),
+                f"{s['vs_limit']:.2f}x" if s.get("vs_limit") else "-",
+                f"{s['full_pass_speedup']:.1f}x" if s.get("full_pass_speedup") else "-",
+            ]
+        )
+    notes = [
         f"({name} ran {s['ran']})"
         for name, s in result[key].items()
         if s.get("ran") and not s["ran"].startswith(_PRODUCT_FORMATS.get(name, name))
     ]
-    return "\n".join(rows)
+    return "\n".join([tables.render(columns, rows), *notes])
 
 
 #: The load format each product strategy runs when nothing falls back.
 _PRODUCT_FORMATS = {"auto": "safetensors_filtered", "selective": "instanttensor_selective"}
 
 
-def chart(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+def chart(result: dict[str, Any], path: Path) -> bool:
+    """Draw ``bench.png``; False (and nothing drawn) where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -347,6 +408,7 @@ def chart(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def machine() -> dict[str, Any]:
@@ -368,35 +430,52 @@ def machine() -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from hybrid_draft.tools import synth
+
+    try:
+        return _main(args)
+    except (OSError, BenchError, synth.TargetError) as exc:
+        from hybrid_draft import files
+
+        if isinstance(exc, OSError) and exc.filename is not None:
+            detail = f"{files.show_path(exc.filename)}: {exc.strerror or exc}"
+        else:
+            detail = files.one_line(str(exc))
+        print(f"hybrid-draft bench: {detail}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     from hybrid_draft.tools.bench import startup
     from hybrid_draft.tools.bench.strategies import CPU_STRATEGIES, GPU_STRATEGIES
 
+    if args.strategies is not None:
+        chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        unknown = sorted(set(chosen) - set(CPU_STRATEGIES) - set(GPU_STRATEGIES))
+        if unknown or not chosen:
+            raise BenchError(
+                f"--strategies {args.strategies!r}: "
+                + (f"unknown {', '.join(map(repr, unknown))}; " if unknown else "names none; ")
+                + f"accepted: {', '.join(CPU_STRATEGIES + GPU_STRATEGIES)}"
+            )
+    gpu = startup.cuda_available()
+    if args.strategies is None:
+        chosen = [*CPU_STRATEGIES, *(GPU_STRATEGIES if gpu else ())]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     directory = Path(args.checkpoint or out / f"checkpoint-{args.size:g}GiB")
     prepare_checkpoint(directory, args.size)
-    gpu = startup.cuda_available()
     if not gpu:  # vLLM (here and in the workers, which inherit this) runs on its CPU platform
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    shared = draft_plan(directory)
-    chosen = (
-        args.strategies.split(",")
-        if args.strategies
-        else [*CPU_STRATEGIES, *(GPU_STRATEGIES if gpu else ())]
-    )
+    try:
+        shared = draft_plan(directory)
+    except ValueError as exc:  # CheckpointError, PlanError: one line naming the file
+        raise BenchError(str(exc)) from None
     if not vllm_available():
         skipped = [s for s in chosen if s in NEEDS_VLLM]
         if skipped:
             print(f"vLLM is not installed here: skipping {', '.join(skipped)}", flush=True)
         chosen = [s for s in chosen if s not in NEEDS_VLLM]
-    unknown = set(chosen) - set(CPU_STRATEGIES) - set(GPU_STRATEGIES)
-    if unknown:
-        print(
-            f"unknown strategies {sorted(unknown)}; accepted: "
-            f"{', '.join(CPU_STRATEGIES + GPU_STRATEGIES)}",
-            file=sys.stderr,
-        )
-        return 2
     result: dict[str, Any] = {
         "checkpoint": shared["checkpoint"],
         "draft_class": shared["draft_class"],
@@ -424,9 +503,13 @@ def main(args: argparse.Namespace) -> int:
     if args.hook_runs and vllm_available():
         result.setdefault("startup", {})["model_loader"] = startup.hook_cost(args.hook_runs)
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    chart(result, out / "bench.png")
+    drawn = chart(result, out / "bench.png")
     print_report(result)
-    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    if drawn:
+        print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    else:
+        print(f"\nwrote {out / 'bench.json'}")
+        print("the chart (bench.png) needs the `bench` extra: pip install 'hybrid-draft[bench]'")
     return 0
 
 

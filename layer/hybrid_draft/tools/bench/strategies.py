@@ -209,12 +209,13 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
     from hybrid_draft.adapter import hold, loaders, patch
 
     plan = _plan(spec)
-    default_loader.instanttensor_weights_iterator = stream_whole_shards
+    # The one stand-in: vLLM's InstantTensor read, which needs CUDA.
+    setattr(default_loader, "instanttensor_weights_iterator", stream_whole_shards)  # noqa: B010
     target = default_loader.DefaultModelLoader(
         LoadConfig(load_format="instanttensor", device="cpu", use_tqdm_on_load=False)
     )
-    target_model = SimpleNamespace()  # the target reads every tensor
-    model_config = SimpleNamespace(model=spec["model_dir"], revision=None)
+    target_model: Any = SimpleNamespace()  # the target reads every tensor
+    model_config: Any = SimpleNamespace(model=spec["model_dir"], revision=None)
     own = [t for t in plan.kept if t.name not in plan.replaced]
     budget = settings.DEFAULT_HOLD_BUDGET
     wanted = frozenset(t.name for t in plan.holdable(budget))

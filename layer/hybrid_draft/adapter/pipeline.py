@@ -1,0 +1,68 @@
+"""Pipeline parallelism: only the last stage loads the draft, so its load must never wait
+on a collective that the other stages do not join.
+
+vLLM builds the drafter only where ``get_pp_group().is_last_rank`` (both model runners),
+so with a pipeline-parallel size above 1 the draft's ``get_model`` runs on part of the
+world. vLLM 0.33's ``instanttensor_weights_iterator`` reads with ``process_group=`` the
+world group's device group whenever the world has more than one rank, and InstantTensor
+then all-reduces and all-gathers over that group: the draft's load would wait for ranks
+that never call it. vLLM guards ``fastsafetensors`` that way
+(``get_pp_safe_draft_load_config``, model runner v2 only), not InstantTensor.
+
+What each mode's draft does with PP > 1:
+
+- lazy safetensors (``auto`` and ``selective`` on the target's checkpoint, ``safetensors``,
+  every selective fallback) and the filtered loader: no collective at all;
+- ``instanttensor_selective`` (``selective``): InstantTensor with ``process_group=None``;
+- InstantTensor kept (``instanttensor``; ``auto``/``selective`` for a draft with a checkpoint
+  of its own): :func:`guard` routes it to the ``instanttensor_ungrouped`` loader, vLLM's
+  InstantTensor read with ``process_group=None``; each rank of the last stage reads it.
+
+The target is loaded by every rank, so its grouped read is left as vLLM makes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from hybrid_draft import policy
+
+
+def pipeline_size(vllm_config: Any) -> int:
+    """The server's pipeline-parallel size: the largest of the call's parallel config, the
+    target's (a standalone draft's config says 1) and vLLM's PP group, when initialised."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    sizes = (
+        getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", None),
+        getattr(getattr(spec, "target_parallel_config", None), "pipeline_parallel_size", None),
+        getattr(getattr(state, "_PP", None), "world_size", None),
+    )
+    return max((s for s in sizes if isinstance(s, int) and not isinstance(s, bool)), default=1)
+
+
+def guard(call: Any, outcome: Any, extra: dict[str, Any]) -> None:
+    """With PP > 1, a draft that keeps InstantTensor loads without vLLM's world group.
+
+    ``outcome`` is the call's decided outcome (role, load format, load config); ``extra``
+    gets ``pipeline_parallel_size`` and ``process_group: "none"`` for its decision event.
+    """
+    if outcome.role != "draft" or outcome.load_format != policy.INSTANTTENSOR:
+        return
+    size = pipeline_size(call.vllm_config)
+    if size <= 1:
+        return
+    from hybrid_draft.adapter import loaders, patch
+
+    if "ungrouped_draft" in patch.OFF:  # this vLLM's loader is not one the read knows
+        extra["pipeline_parallel_size"] = size
+        extra["process_group"] = f"vLLM's own (part_skipped: {patch.OFF['ungrouped_draft']})"
+        return
+
+    loaders.register(loaders.UNGROUPED)
+    base = outcome.load_config if outcome.load_config is not None else call.load_config
+    outcome.load_config = dataclasses.replace(base, load_format=loaders.UNGROUPED)
+    extra["pipeline_parallel_size"] = size
+    extra["process_group"] = "none"

@@ -1,0 +1,51 @@
+"""Where a load happens: the host, the global rank, and the settings it decided with.
+
+Every ``hybrid_draft.decision`` and ``hybrid_draft.loaded``/``load_failed`` event carries
+:func:`fields`, so that ``hybrid-draft report`` can tell the ranks of one server apart and
+say which decided differently. The rank is read from what is already initialised (vLLM's
+world group, else ``torch.distributed``) and nothing is ever initialised or imported here:
+a process outside a distributed group has rank null.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from hybrid_draft import settings
+
+
+def node() -> str:
+    """This host's name."""
+    return settings.this_node()
+
+
+def rank() -> int | None:
+    """This process's global rank, or None outside an initialised distributed group."""
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    world = getattr(state, "_WORLD", None) if state is not None else None
+    value = getattr(world, "rank", None)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # a half-torn-down group: no rank rather than no event
+        pass
+    return None
+
+
+def fields(current: settings.Settings | None = None) -> dict[str, Any]:
+    """``node``, ``rank`` and ``settings_fingerprint`` (null when the settings are invalid);
+    ``settings_from`` names the Ray driver's host when its settings were carried here."""
+    if current is None:
+        current, _ = settings.load_lenient()
+    out: dict[str, Any] = {
+        "node": node(),
+        "rank": rank(),
+        "settings_fingerprint": current.fingerprint() if current is not None else None,
+    }
+    if current is not None and current.carried_from is not None:
+        out["settings_from"] = current.carried_from
+    return out

@@ -1,0 +1,77 @@
+"""The package's layout is its architecture: imports flow one way.
+
+Layers, lowest first: the package root and its file reader; settings; events; the pure
+policy and checkpoint readers; planning; the vLLM adapter and the bootstrap that hooks it
+in; the tools. A module imports only from its own layer or below (anywhere in it, at module
+level or inside a function), so the runtime never imports a tool, the pure core never
+imports the adapter, and nothing imports the bootstrap.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "layer" / "hybrid_draft"
+
+#: Layer of each module (by dotted name prefix; the longest prefix wins).
+LAYERS = {
+    "hybrid_draft": 0,
+    "hybrid_draft.files": 0,
+    "hybrid_draft.settings": 1,
+    "hybrid_draft.events": 2,
+    "hybrid_draft.policy": 3,
+    "hybrid_draft.checkpoint": 3,
+    "hybrid_draft.planning": 4,
+    "hybrid_draft.adapter": 5,
+    "hybrid_draft._bootstrap": 5,
+    "hybrid_draft.tools": 6,
+    "hybrid_draft.__main__": 6,
+}
+
+
+def layer(module: str) -> int:
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[best]
+
+
+def modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out.append((name, path))
+    return out
+
+
+def imports(name: str, path: Path) -> set[str]:
+    """Every hybrid_draft module ``path`` imports (relative imports resolved)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    known = {m for m, _ in modules()}
+    return {m for m in found if m in known}
+
+
+@pytest.mark.parametrize(("name", "path"), modules(), ids=lambda v: str(v))
+def test_imports_flow_one_way(name: str, path: Path) -> None:
+    upward = sorted(m for m in imports(name, path) if layer(m) > layer(name))
+    assert not upward, f"{name} (layer {layer(name)}) imports {upward}"
+    assert "hybrid_draft._bootstrap" not in imports(name, path) or name.startswith(
+        "hybrid_draft.tools"
+    ), f"{name} imports the bootstrap"
+
+
+def test_every_module_has_a_layer() -> None:
+    assert {layer(m) for m, _ in modules()} == set(range(7))

@@ -1,0 +1,304 @@
+"""Shards and indexes as safetensors and vLLM take them: every header the layer's reader accepts
+is one safetensors' own ``safe_open`` accepts, and the other way round; a refusal names the
+shard and the tensor; an index's shard names resolve inside the model directory only."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from hybrid_draft import checkpoint
+from hybrid_draft.checkpoint import CheckpointError
+
+
+def shard_bytes(header: bytes | str, data: int = 0, pad: bool = True, tail: bytes = b"") -> bytes:
+    raw = header.encode() if isinstance(header, str) else header
+    if pad:
+        raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + bytes(data) + tail
+
+
+def safe_open_accepts(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            list(f.keys())
+        return True
+    except Exception:
+        return False
+
+
+def reader_accepts(path: Path) -> bool:
+    try:
+        checkpoint.read_shard(path)
+        return True
+    except CheckpointError as exc:
+        assert "\n" not in str(exc) and str(path) in str(exc)
+        return False
+
+
+G = '"dtype":"F32","shape":[2],"data_offsets":[0,8]'
+
+
+def h(text: str) -> str:
+    """A header text with ``@G`` standing for a valid 8-byte F32 tensor's fields."""
+    return text.replace("@G", G)
+
+
+#: name -> (header text, data bytes after the header, bytes after the data). Each probes one
+#: rule of safetensors' read_metadata / Metadata::validate (or of serde_json under it).
+CORPUS: dict[str, tuple[str, int, bytes]] = {
+    "valid": (h('{"a":{@G}}'), 8, b""),
+    "empty_header_object": ("{}", 0, b""),
+    "metadata_null": (h('{"__metadata__":null,"a":{@G}}'), 8, b""),
+    "metadata_number_value": (h('{"__metadata__":{"x":1},"a":{@G}}'), 8, b""),
+    "metadata_list": (h('{"__metadata__":["x"],"a":{@G}}'), 8, b""),
+    "metadata_repeated": (h('{"__metadata__":{},"__metadata__":{},"a":{@G}}'), 8, b""),
+    "metadata_key_repeated": (h('{"__metadata__":{"x":"1","x":"2"},"a":{@G}}'), 8, b""),
+    "extra_field": (h('{"a":{@G,"note":{"b":[1,{"c":null}]}}}'), 8, b""),
+    "extra_field_125_deep": (h('{"a":{@G,"x":') + "[" * 125 + "]" * 125 + "}}", 8, b""),
+    "extra_field_126_deep": (h('{"a":{@G,"x":') + "[" * 126 + "]" * 126 + "}}", 8, b""),
+    "field_repeated": (h('{"a":{@G,"shape":[2]}}'), 8, b""),
+    "extra_field_repeated": (h('{"a":{@G,"n":1,"n":2}}'), 8, b""),
+    "tensor_as_list": ('{"a":["F32",[2],[0,8]]}', 8, b""),
+    "tensor_as_long_list": ('{"a":["F32",[2],[0,8],1]}', 8, b""),
+    "tensor_null": ('{"a":null}', 8, b""),
+    "tensor_number": ('{"a":5}', 8, b""),
+    "dtype_as_map": ('{"a":{"dtype":{"F32":null},"shape":[2],"data_offsets":[0,8]}}', 8, b""),
+    "dtype_map_value": ('{"a":{"dtype":{"F32":1},"shape":[2],"data_offsets":[0,8]}}', 8, b""),
+    "dtype_unknown": ('{"a":{"dtype":"F31","shape":[2],"data_offsets":[0,8]}}', 8, b""),
+    "dtype_lower_case": ('{"a":{"dtype":"f32","shape":[2],"data_offsets":[0,8]}}', 8, b""),
+    "dtype_escaped": ('{"a":{"dtype":"F\\u0033\\u0032","shape":[2],"data_offsets":[0,8]}}', 8, b""),
+    "missing_offsets": ('{"a":{"dtype":"F32","shape":[2]}}', 8, b""),
+    "shape_float": ('{"a":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}}', 8, b""),
+    "shape_exponent": ('{"a":{"dtype":"F32","shape":[2e0],"data_offsets":[0,8]}}', 8, b""),
+    "shape_negative": ('{"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}', 8, b""),
+    "shape_bool": ('{"a":{"dtype":"U8","shape":[true],"data_offsets":[0,1]}}', 1, b""),
+    "shape_past_u64": (
+        '{"a":{"dtype":"F32","shape":[18446744073709551616],"data_offsets":[0,8]}}',
+        8,
+        b"",
+    ),
+    "shape_overflows": (
+        '{"a":{"dtype":"F32","shape":[1099511627776,1099511627776,0],"data_offsets":[0,0]}}',
+        0,
+        b"",
+    ),
+    "shape_zero_first": (
+        '{"a":{"dtype":"F32","shape":[0,1099511627776,1099511627776],"data_offsets":[0,0]}}',
+        0,
+        b"",
+    ),
+    "shape_vs_bytes": ('{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}', 8, b""),
+    "scalar": ('{"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]}}', 4, b""),
+    "f4_half_byte": ('{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}', 2, b""),
+    "f4_whole_bytes": ('{"a":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}}', 2, b""),
+    "offsets_negative_zero": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[-0,8]}}', 8, b""),
+    "offsets_three": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8,8]}}', 8, b""),
+    "offsets_object": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":{"0":0,"1":8}}}', 8, b""),
+    "offsets_gap": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}', 12, b""),
+    "offsets_reversed": ('{"a":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}}', 8, b""),
+    "offsets_overlap": (
+        h('{"a":{@G},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}'),
+        12,
+        b"",
+    ),
+    "offsets_out_of_order": (
+        h('{"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},"a":{@G}}'),
+        16,
+        b"",
+    ),
+    "two_empty_tensors_at_one_offset": (
+        '{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},'
+        '"b":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}',
+        0,
+        b"",
+    ),
+    "offset_u64_max": (
+        '{"a":{"dtype":"F32","shape":[2],"data_offsets":[18446744073709551615,8]}}',
+        8,
+        b"",
+    ),
+    "name_repeated_last_valid": (
+        h('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{@G}}'),
+        8,
+        b"",
+    ),
+    "name_repeated_first_invalid": (h('{"a":{},"a":{@G}}'), 8, b""),
+    "data_short": (h('{"a":{@G}}'), 4, b""),
+    "data_trailing": (h('{"a":{@G}}'), 8, b"x"),
+    "not_an_object": ("[1,2]", 0, b""),
+    "not_json": ("{not json", 0, b""),
+    "trailing_comma": (h('{"a":{@G},}'), 8, b""),
+    "nul_padding": (h('{"a":{@G}}\0\0\0'), 8, b""),
+    "leading_space": (h(' {"a":{@G}}'), 8, b""),
+    "byte_order_mark": (h('\ufeff{"a":{@G}}'), 8, b""),
+    "nan_in_extra_field": (h('{"a":{@G,"x":NaN}}'), 8, b""),
+    "infinite_number": (h('{"a":{@G,"x":1e400}}'), 8, b""),
+    "long_integer": (h('{"a":{@G,"x":') + "9" * 400 + "}}", 8, b""),
+    "lone_surrogate": (h('{"a":{@G,"x":"\\ud800"}}'), 8, b""),
+    "surrogate_pair": (h('{"\\ud83d\\ude00":{@G}}'), 8, b""),
+    "control_character": (h('{"a\x01":{@G}}'), 8, b""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORPUS))
+def test_the_reader_accepts_exactly_what_safe_open_accepts(case: str, tmp_path: Path) -> None:
+    header, data, tail = CORPUS[case]
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(shard_bytes(header, data, tail=tail))
+    assert reader_accepts(path) == safe_open_accepts(path), case
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (b"\x01\x00", "shorter than a safetensors header"),
+        (struct.pack("<Q", 100_000_001) + b"{}", "over safetensors' limit of 100,000,000 bytes"),
+        (struct.pack("<Q", 64) + b"{}", "runs past the end of the file"),
+        (shard_bytes(b'{"a\xff":{}}'), "header is not UTF-8"),
+    ],
+)
+def test_framing_errors(raw: bytes, fragment: str, tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(raw)
+    assert not safe_open_accepts(path)
+    with pytest.raises(CheckpointError, match=fragment):
+        checkpoint.read_shard(path)
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "message"),
+    [
+        (
+            '{"w":{"dtype":"F31","shape":[2],"data_offsets":[0,8]}}',
+            8,
+            "tensor 'w': dtype 'F31' is not one safetensors knows",
+        ),
+        (
+            h('{"a":{@G},"w":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}'),
+            12,
+            "tensor 'w': data_offsets [4, 12] do not start where the previous tensor's data "
+            "ends (8)",
+        ),
+        (
+            '{"w":{"dtype":"BF16","shape":[3,4],"data_offsets":[0,8]}}',
+            8,
+            "tensor 'w': shape [3, 4] of BF16 is 24 bytes but its data_offsets [0, 8] span 8",
+        ),
+        (h('{"w":{@G}}'), 4, "the header places tensors up to byte"),
+    ],
+)
+def test_a_refusal_names_the_shard_and_the_tensor(
+    header: str, data: int, message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "model-00001-of-00002.safetensors"
+    path.write_bytes(shard_bytes(header, data))
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.read_shard(path)
+    assert str(info.value).startswith(f"{path}: ") and message in str(info.value)
+
+
+def test_non_regular_shards_are_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    (tmp_path / "dir.safetensors").mkdir()
+    (tmp_path / "zero.safetensors").symlink_to("/dev/zero")
+    for name, kind in (("fifo", "a FIFO"), ("dir", "a directory"), ("zero", "a character device")):
+        with pytest.raises(CheckpointError, match=f"{kind}, not a regular file"):
+            checkpoint.read_shard(tmp_path / f"{name}.safetensors")
+
+
+# --- which files an index may name -----------------------------------------------------------
+
+
+def small_checkpoint(root: Path, shard: str = "model-00001-of-00001.safetensors") -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / shard).write_bytes(shard_bytes(h('{"w":{@G}}'), 8))
+    (root / checkpoint.INDEX_NAME).write_text(json.dumps({"weight_map": {"w": shard}}))
+    return root
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../elsewhere/x.safetensors",
+        "/etc/passwd",
+        "sub/x.safetensors",
+        ".hidden.safetensors",
+        "x.bin",
+    ],
+)
+def test_an_index_names_only_files_in_the_model_directory(name: str, tmp_path: Path) -> None:
+    model = small_checkpoint(tmp_path / "model")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "x.safetensors").write_bytes(shard_bytes(h('{"w":{@G}}'), 8))
+    (model / "sub").mkdir()
+    shutil.copy(outside / "x.safetensors", model / "sub" / "x.safetensors")
+    (model / checkpoint.INDEX_NAME).write_text(json.dumps({"weight_map": {"w": name}}))
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.shard_files(model)
+    assert f"names the shard {name!r}, which is not a *.safetensors file in the model" in str(
+        info.value
+    )
+
+
+def test_symbolic_links_stay_inside_the_checkpoint(tmp_path: Path) -> None:
+    model = small_checkpoint(tmp_path / "model", "model.safetensors")
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(model / "model.safetensors", outside)
+    (model / "model.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"a symbolic link to .*outside the checkpoint"):
+        checkpoint.read_checkpoint(model)
+    # A link within the model directory is followed.
+    (model / "model.safetensors").unlink()
+    shutil.move(outside, model / "data.bin")
+    (model / "model.safetensors").symlink_to("data.bin")
+    assert [s.name for s in checkpoint.read_checkpoint(model)] == ["model.safetensors"]
+
+
+def test_a_hugging_face_cache_snapshot_reads_its_blobs(tmp_path: Path) -> None:
+    """``snapshots/<rev>/<file> -> ../../blobs/<hash>``, as huggingface_hub lays it out."""
+    repo = tmp_path / "hub" / "models--org--name"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for name, content in (
+        ("model.safetensors", shard_bytes(h('{"w":{@G}}'), 8)),
+        ("config.json", b"{}"),
+    ):
+        blob = repo / "blobs" / f"hash-{name}"
+        blob.write_bytes(content)
+        (snapshot / name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    shards = checkpoint.read_checkpoint(snapshot)
+    assert [(s.name, s.nbytes) for s in shards] == [("model.safetensors", 8)]
+    assert checkpoint.read_json(snapshot, "config.json", 1024) == {}
+    # The same links from a directory that is not a snapshot lead out of it.
+    other = tmp_path / "copy"
+    shutil.copytree(snapshot, other, symlinks=True)
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        checkpoint.read_checkpoint(other)
+
+
+@pytest.mark.parametrize(
+    ("index", "fragment"),
+    [
+        ("{", "not a safetensors index"),
+        ("[]", "not a safetensors index (a JSON object whose weight_map maps tensor names"),
+        ('{"weight_map": {"w": 3}}', "weight_map maps to 3, not a file name"),
+        ('{"weight_map": ' * 5000 + "}" * 5000, "nested too deeply"),
+    ],
+)
+def test_bad_indexes(index: str, fragment: str, tmp_path: Path) -> None:
+    model = small_checkpoint(tmp_path / "model")
+    (model / checkpoint.INDEX_NAME).write_text(index)
+    with pytest.raises(CheckpointError, match=re.escape(fragment)):
+        checkpoint.shard_files(model)
