@@ -353,7 +353,11 @@ def test_default_checkpoint_loads_in_real_vllm_as_target_and_mtp_draft(
     again = subprocess.run(cli, check=True, capture_output=True, text=True)
     assert "already there" in again.stdout  # --if-missing leaves a checkpoint alone
     (out_dir / "model.safetensors.index.json").unlink()  # as if interrupted mid-write
-    redo = subprocess.run(cli, check=True, capture_output=True, text=True)
+    # An incomplete one is a non-empty folder: refused in one line, rewritten with --force.
+    refused = subprocess.run(cli, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--force" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    redo = subprocess.run([*cli, "--force"], check=True, capture_output=True, text=True)
     assert "already there" not in redo.stdout
 
     from transformers import AutoTokenizer

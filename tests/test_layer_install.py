@@ -12,6 +12,8 @@ import venv
 from pathlib import Path
 
 import pytest
+import tomllib
+from packaging.requirements import Requirement
 
 from conftest import REPO
 
@@ -56,6 +58,18 @@ def installed(site: Path, name: str, version: str, url: str | None = None) -> No
         (info / "direct_url.json").write_text(json.dumps({"url": url, "archive_info": {}}))
 
 
+def layer_dependencies() -> list[tuple[str, str]]:
+    """(name, lowest version it accepts) of each of the layer's dependencies on this Python."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        deps = [Requirement(d) for d in tomllib.load(f)["project"]["dependencies"]]
+    out = []
+    for dep in deps:
+        if dep.marker is None or dep.marker.evaluate():
+            (lowest,) = [s.version for s in dep.specifier if s.operator == ">="]
+            out.append((dep.name, lowest))
+    return out
+
+
 def versions(python: Path) -> dict[str, str]:
     out = subprocess.run(
         [
@@ -86,7 +100,8 @@ def test_the_install_keeps_a_newer_instanttensor_from_a_local_wheel(
     `pip freeze` shows no `==` line for it), stays; only the layer itself is added."""
     python, site = make_base(tmp_path / "base")
     installed(site, "instanttensor", NEWER, url="file:///wheels/instanttensor.whl")
-    installed(site, "structlog", "24.1.0")
+    for name, version in layer_dependencies():  # the base has them all: nothing to fetch
+        installed(site, name, version)
     freeze = subprocess.run(
         [python, "-m", "pip", "freeze"], check=True, capture_output=True, text=True
     ).stdout
