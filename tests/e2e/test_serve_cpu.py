@@ -160,6 +160,7 @@ def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(served:
     else:
         draft_reads = modes["auto"]
     replaced = plan["replaced_by_target"]
+    from_storage: list[int] = []  # a plain draft's bytes read, by rank
     for pid in workers:
         mine = [e for e in events if e["pid"] == pid and e["event"] in (DECISION, LOADED)]
         assert [(e["event"], e["role"]) for e in mine] == [
@@ -203,9 +204,14 @@ def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(served:
             assert draft["one_pass"]["held_bytes"] == sources["stream"]["bytes"]
             assert draft["bytes_read"] <= CODE_PAGES, draft
         else:
-            # (the stand-in leaves the checkpoint cold: the draft reads its tensors)
             assert sources["stream"] == {"tensors": 0, "bytes": 0}
-            assert draft["bytes_read"] >= sources["storage"]["bytes"] > 0, draft
+            assert sources["storage"]["bytes"] > 0
+            from_storage.append(draft["bytes_read"])
+    if from_storage:
+        # The stand-in leaves the checkpoint cold, so the draft's tensors come from storage:
+        # every rank reads them whole, the first from the device and the others (tensor
+        # parallelism) possibly from the page cache the first one filled.
+        assert max(from_storage) >= sources["storage"]["bytes"], from_storage
 
 
 #: What a first draft load reads besides checkpoint data (its model's code, kernels' libraries):
