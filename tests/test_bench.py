@@ -81,6 +81,7 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
     assert one["draft_bytes_read"] < ck["own_bytes"] / 4
     assert len(one["target_seconds"]) == len(one["untapped_target_seconds"]) == 2
     assert isinstance(one["tap_overhead"], float)
+    assert one["warmup_seconds"] > 0  # an untimed pass first: neither side pays the first one
     assert "one_pass: the draft's load" in proc.stdout
 
     startup = result["startup"]

@@ -301,6 +301,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             median_target_seconds=tapped,
             median_untapped_target_seconds=untapped,
             tap_overhead=tapped / untapped - 1 if untapped > 0 else None,
+            warmup_seconds=raw.get("warmup_seconds"),
             held_bytes=max(raw["held_bytes"]),
         )
     if raw.get("peak_device_bytes"):
