@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hostile import dev_zero, directory, fifo, huge, under_a_file
+
 #: Seconds any one command may take here (a blocking read or an unbounded one would not end).
 LIMIT = 180
 
@@ -42,32 +44,6 @@ def one_line_error(out: subprocess.CompletedProcess[str], prefix: str, *fragment
 
 
 # --- hostile files, made fresh for each test ----------------------------------------------------
-
-
-def fifo(p: Path) -> Path:
-    os.mkfifo(p)
-    return p
-
-
-def dev_zero(p: Path) -> Path:
-    p.symlink_to("/dev/zero")
-    return p
-
-
-def directory(p: Path) -> Path:
-    p.mkdir()
-    return p
-
-
-def huge(p: Path) -> Path:
-    with open(p, "wb") as f:
-        f.truncate(1 << 30)  # sparse: no disk used
-    return p
-
-
-def under_a_file(p: Path) -> Path:
-    p.write_text("a regular file")
-    return p / "x"
 
 
 def deep(text: str) -> Callable[[Path], Path]:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from conftest import Events, Recorder, engine_config, load_target_and_draft
+from hostile import dev_zero, directory, fifo, huge, under_a_file
 
 LIMIT = 300
 
@@ -37,35 +38,9 @@ def events_in(stderr: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stderr.splitlines() if line.startswith('{"event"')]
 
 
-def fifo(p: Path) -> Path:
-    os.mkfifo(p)
-    return p
-
-
-def dev_zero(p: Path) -> Path:
-    p.symlink_to("/dev/zero")
-    return p
-
-
-def directory(p: Path) -> Path:
-    p.mkdir()
-    return p
-
-
 def deep(p: Path) -> Path:
     p.write_text("a = " + "[" * 100_000 + "]" * 100_000)
     return p
-
-
-def huge(p: Path) -> Path:
-    with open(p, "wb") as f:
-        f.truncate(1 << 30)  # sparse
-    return p
-
-
-def under_a_file(p: Path) -> Path:
-    p.write_text("x")
-    return p / "config.toml"
 
 
 BAD: dict[str, tuple[Callable[[Path], Path], str]] = {

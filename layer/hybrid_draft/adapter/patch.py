@@ -549,13 +549,12 @@ def _decide_draft(
         )
         load.load_config = calls.loader_load_config(call.load_config, fmt)
     elif request.requested_format in (loaders.FILTERED, loaders.SELECTIVE):
-        fmt = request.requested_format  # the user's own draft_load_config names one of ours
+        # The user's own draft_load_config names one of ours.
         if not ours:
             return decision  # the loader reads a plan-less draft by vLLM's own lazy path
     else:
         return decision
-    assert plan is not None
-    loaders.register(fmt)
+    assert plan is not None  # (its load format was registered when get_model was wrapped)
     scope = hold.current()
     held = scope.hold_for(call.model_config) if scope is not None else None
     load.tensor_filter = True

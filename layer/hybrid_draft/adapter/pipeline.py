@@ -61,7 +61,6 @@ def guard(call: Any, outcome: Any, extra: dict[str, Any]) -> None:
         extra["process_group"] = f"vLLM's own (part_skipped: {patch.OFF['ungrouped_draft']})"
         return
 
-    loaders.register(loaders.UNGROUPED)
     base = outcome.load_config if outcome.load_config is not None else call.load_config
     outcome.load_config = dataclasses.replace(base, load_format=loaders.UNGROUPED)
     extra["pipeline_parallel_size"] = size

@@ -41,20 +41,7 @@ NUMBERS = (
     "checkpoint_bytes",
 )
 
-LOAD_KEYS = (
-    "role",
-    "model",
-    "load_format",
-    "tensor_filter",
-    "seconds",
-    "bytes_read",
-    "tensors",
-    "shards",
-    "checkpoint_shards",
-    "checkpoint_bytes",
-    "sources",
-    "one_pass",
-)
+LOAD_KEYS = ("role", "model", "load_format", "tensor_filter", *NUMBERS, *OBJECTS)
 
 
 #: Where a draft's tensors came from (``sources`` of its ``loaded`` event), in words.
