@@ -34,7 +34,13 @@ for _var in (
 ):
     os.environ.pop(_var, None)
 
+import hostcpu  # noqa: E402
 from hybrid_draft.tools import synth  # noqa: E402 - after the environment above
+
+if os.environ.get(hostcpu.FORCE_ENV) == "1":  # this session selects as an AMX host would
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: True  # type: ignore[assignment]
 
 REPO = Path(__file__).resolve().parents[1]
 # The image test (scripts/image-test, run after pytest by scripts/test) is a session of its
@@ -173,10 +179,11 @@ def engine_config(
 
     spec = dict(speculative_config or {"method": "mtp", "num_speculative_tokens": 1})
     config = json.loads((Path(model) / "config.json").read_text())
-    if config.get("kv_lora_rank"):  # MLA: the CPU's AMX backend needs vllm._C, absent here
-        kwargs.setdefault("attention_backend", "CPU_MLA")
-        spec.setdefault("attention_backend", "CPU_MLA")
-    kwargs.setdefault("dtype", "float32")
+    if config.get("kv_lora_rank") or config.get("text_config", {}).get("kv_lora_rank"):
+        for key, value in hostcpu.inprocess_mla_backend().items():  # tests/hostcpu.py
+            kwargs.setdefault(key, value)
+            spec.setdefault(key, value)
+    kwargs.setdefault("dtype", "float32")  # the CUDA build's CPU kernels: float32 on any host
     return EngineArgs(
         model=str(model),
         load_format=load_format,

@@ -1092,8 +1092,7 @@ family(
             "language_model.model.layers.{n}.",
             {**NEXTN, **NEXTN_OWN, **NORMS, **_KIMI_MLA, **_KIMI_MOE, **_KIMI_RES},
         ),
-        speculative={"attention_backend": "CPU_MLA"},
-        engine={"mamba_block_size": 128, "attention_backend": "CPU_MLA"},
+        engine={"mamba_block_size": 128},  # the MLA backend: tests/hostcpu.py, per host
         cuda_standins=("cuda_stream",),
     ),
 )
@@ -1402,8 +1401,7 @@ family(
                 "self_attn.indexer.k_norm.bias": "16",
             },
         ),
-        speculative={"attention_backend": "CPU_MLA"},
-        engine={"mamba_block_size": 128, "attention_backend": "CPU_MLA"},
+        engine={"mamba_block_size": 128},  # the MLA backend: tests/hostcpu.py, per host
         cuda_standins=("sparse_attention_as_dense",),
     ),
 )

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from hybrid_draft.tools import synth
+
 from .harness import (
     ENABLE_ENV,
     STANDIN,
@@ -95,7 +97,7 @@ def checkpoints(cpu_env: CpuEnv, tmp_path_factory: pytest.TempPathFactory) -> di
     root = tmp_path_factory.mktemp("models")
     out = {}
     with Timer("checkpoints: make-checkpoint + plan"):
-        for arch in ("deepseek_v3", "glm4_moe"):
+        for arch in synth.CPU_SERVABLE:
             path = root / arch
             cpu_env.cli("make-checkpoint", path, "--arch", arch, "--preset", "cpu", "--shards", "3")
             plan = json.loads(cpu_env.cli("plan", path, "--json").stdout)

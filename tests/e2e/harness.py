@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import requests
 
+import hostcpu
+
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).resolve().parent / "standin"
 ENABLE_ENV = "HYBRID_DRAFT_E2E"
@@ -186,7 +188,7 @@ class Server:
             "--load-format",
             "instanttensor",
             "--dtype",
-            "float32",
+            hostcpu.serving_dtype(),  # tests/hostcpu.py: bfloat16 where AMX_MLA serves
             "--max-model-len",
             "1024",
             "--enforce-eager",

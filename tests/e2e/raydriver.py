@@ -37,12 +37,44 @@ import ray
 SHOWN = ("HYBRID_DRAFT_", "INSTANTTENSOR_", "VLLM_RAY_", "MY_EXTRA")
 
 
+def dist_ident(init_method: str) -> str:
+    """``VLLM_DIST_IDENT`` for a rank joining ``init_method``, computed by vLLM's own code.
+
+    vLLM's CPU worker sets it in ``CPUWorker.init_device`` from its init method before it
+    joins the world; the shared-memory communicator (``_CPUSHMDistributed``, used for TP
+    and PP groups wherever the CPU extension has ``init_shm_manager``) names its segment
+    after it, and every rank must compute the same name. The expression is taken from that
+    method's source and evaluated here, so the actors follow vLLM's scheme as it is.
+    """
+    import ast
+    import inspect
+    import textwrap
+
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    source = textwrap.dedent(inspect.getsource(CPUWorker.init_device))
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(target := node.targets[0], ast.Subscript)
+            and ast.unparse(target) == "os.environ['VLLM_DIST_IDENT']"
+        ):
+            expr = compile(ast.Expression(node.value), "CPUWorker.init_device", "eval")
+            return str(eval(expr, {"os": os, "init_method": init_method}))
+    sys.exit("raydriver: CPUWorker.init_device no longer sets VLLM_DIST_IDENT")
+
+
 @ray.remote(num_cpus=0)
 class Rank:
     """One rank of the world, on the node its resource names."""
 
     def load(
-        self, rank: int, init_method: str, checkpoint: str, driver_env: dict[str, str] | None
+        self,
+        rank: int,
+        init_method: str,
+        checkpoint: str,
+        dtype: str,
+        driver_env: dict[str, str] | None,
     ) -> dict[str, Any]:
         if driver_env is not None:  # RayWorkerProc.initialize_worker: node-local values win
             for key, value in driver_env.items():
@@ -67,12 +99,13 @@ class Rank:
             load_format="instanttensor",
             speculative_config={"method": "mtp", "num_speculative_tokens": 1},
             tensor_parallel_size=2,
-            dtype="float32",
+            dtype=dtype,
             max_model_len=128,
             enforce_eager=True,
             skip_tokenizer_init=True,
         ).create_engine_config()
         _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does first
+        os.environ["VLLM_DIST_IDENT"] = dist_ident(init_method)  # as CPUWorker.init_device
         with set_current_vllm_config(config):
             init_distributed_environment(2, rank, init_method, 0, "gloo")
             ensure_model_parallel_initialized(2, 1)
@@ -105,6 +138,7 @@ def main() -> None:
     parser.add_argument("--address", required=True)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
 
     import vllm.ray.ray_env as ray_env
@@ -159,7 +193,10 @@ def main() -> None:
         driver_env = env if how == "setdefault" else None
         start = size()
         ranks = ray.get(
-            [a.load.remote(r, init, args.checkpoint, driver_env) for r, a in enumerate(actors)],
+            [
+                a.load.remote(r, init, args.checkpoint, args.dtype, driver_env)
+                for r, a in enumerate(actors)
+            ],
             timeout=args.timeout,
         )
         out["routes"][name] = {

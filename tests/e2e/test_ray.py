@@ -37,6 +37,8 @@ from typing import Any
 
 import pytest
 
+import hostcpu
+
 from .harness import REPO, VENV, Checkpoint, CpuEnv, Timer, free_port, run
 
 pytestmark = pytest.mark.e2e
@@ -216,6 +218,8 @@ def cluster(
                     address,
                     "--checkpoint",
                     checkpoints["deepseek_v3"].path,
+                    "--dtype",
+                    hostcpu.serving_dtype(),
                 ],
                 env=driver_env,
                 timeout=900,

@@ -247,10 +247,21 @@ _DEEPSEEK_V3_TINY: dict[str, Any] = dict(
 
 DEEPSEEK_V3_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _DEEPSEEK_V3_TINY,
-    # What vLLM's CPU build serves (its end-to-end test, the local CPU image): the tiny
-    # shapes with DeepSeek's real MLA ranks, since its CPU MLA attention takes only head
-    # sizes (kv_lora_rank + qk_rope_head_dim) 320, 512 and 576.
-    "cpu": {**_DEEPSEEK_V3_TINY, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
+    # What vLLM's CPU build serves (its end-to-end test, the local CPU image) on every x86
+    # host: the tiny shapes with DeepSeek's real MLA ranks. The reference CPU_MLA backend
+    # takes head sizes (kv_lora_rank + qk_rope_head_dim) 320, 512 and 576; the AMX_MLA
+    # backend, which vLLM picks wherever AMX tiles are available, declares 576 only and
+    # VNNI-packs W_UK (heads, kv_lora_rank, qk_nope_head_dim) and W_UV (heads, v_head_dim,
+    # kv_lora_rank) with convert_weight_packed, which wants out features a multiple of 16
+    # and in features a multiple of 32: qk_nope_head_dim and v_head_dim 32 meet both
+    # (tests/e2e/test_isa.py asks the real kernels).
+    "cpu": {
+        **_DEEPSEEK_V3_TINY,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+    },
     # The real DeepSeek-V3/R1 shapes: 61 layers, 256 experts, FP8 with 128x128 scales.
     "full": dict(
         vocab_size=129280,

@@ -1,0 +1,79 @@
+"""What the host's CPU makes vLLM's CPU code choose, and the test-side choices that follow.
+
+vLLM asks ``torch.cpu._is_amx_tile_supported()`` wherever it picks a CPU kernel: the MLA
+attention backend (``CpuPlatform.get_attn_backend_cls``: AMX_MLA where AMX tiles are
+available, else CPU_MLA), the sgl-kernel GEMM for small linear layers
+(``check_cpu_sgl_kernel``), the AMX fused-MoE experts and the CPU attention's ISA. The
+tests ask the same question, so each host runs what vLLM selects for it, with two
+exceptions that follow from the kernels themselves (docs/testing.md):
+
+- **Served models** (vLLM's CPU build): where AMX is available they are served in bfloat16,
+  since AMX_MLA takes only bfloat16 and its weight packing (``convert_weight_packed``)
+  rejects float32; elsewhere in float32, what the reference kernels compute in.
+- **In-process loads** (vLLM 0.33's CUDA build with ``VLLM_TARGET_DEVICE=cpu``): that build's
+  ``vllm._C`` has none of the CPU kernels AMX_MLA and the sgl GEMM call
+  (``convert_weight_packed``), so on an AMX host an MLA model gets CPU_MLA explicitly and
+  every load stays float32 (``check_cpu_sgl_kernel`` is false for it). On other hosts vLLM's
+  own selection already gives CPU_MLA, and nothing is forced.
+
+``HYBRID_DRAFT_TEST_AMX=1`` makes ``amx()`` (and, through :func:`force_amx`, vLLM's own
+question) answer yes on any host, so an AMD or AVX2 machine checks what an AMX host selects.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+FORCE_ENV = "HYBRID_DRAFT_TEST_AMX"
+
+
+def amx() -> bool:
+    """Whether vLLM's CPU code takes its AMX paths on this host (or the test forces them)."""
+    if os.environ.get(FORCE_ENV) == "1":
+        return True
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def serving_dtype() -> str:
+    """The ``--dtype`` a model served by vLLM's CPU build runs in on this host."""
+    return "bfloat16" if amx() else "float32"
+
+
+def inprocess_mla_backend() -> dict[str, Any]:
+    """Engine arguments an MLA model loaded in process needs on this host (CUDA build)."""
+    return {"attention_backend": "CPU_MLA"} if amx() else {}
+
+
+@contextmanager
+def force_amx() -> Iterator[None]:
+    """vLLM's AMX question answered yes in this process, as on an AMX host."""
+    import torch
+
+    real = torch.cpu._is_amx_tile_supported
+    torch.cpu._is_amx_tile_supported = lambda: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cpu._is_amx_tile_supported = real  # type: ignore[assignment]
+
+
+def describe() -> str:
+    """The host's CPU model and the ISA flags vLLM's CPU build selects on, in one line."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("amx_tile", "amx_bf16", "avx512f", "avx512_bf16", "avx512_vnni", "avx2")
+    return f"{model}: {' '.join(f for f in wanted if f in flags) or 'none of ' + ','.join(wanted)}"
