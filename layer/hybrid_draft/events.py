@@ -67,8 +67,8 @@ class JsonLinesSink:
     stderr, each with one ``write(2)``.
 
     Stderr lines are kept to the pipe's atomic size (:func:`_atomic_size`): a write that
-    size or smaller to a pipe never interleaves with another process's, so the eight
-    workers of a server sharing its stderr never tear a line; a larger event goes whole to
+    size or smaller to a pipe never interleaves with another process's, so the workers
+    of a server sharing its stderr never tear a line; a larger event goes whole to
     the events file and as a shortened line (:func:`_shorten`) to stderr. The events file is
     opened per line with ``O_APPEND`` and written under an exclusive ``flock``: a short
     write (a full disk) is completed or cut back to where the line began, so the file never
