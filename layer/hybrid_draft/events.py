@@ -6,14 +6,19 @@ included, stay exactly as they were. Every event carries ``event``, ``level``, `
 (ISO 8601, UTC) and ``pid``. Emitting never raises and never blocks: the events file must
 be a regular file (a FIFO, a device or a directory there is reported once, as
 ``hybrid_draft.events_file_error``, and not written), it is opened with ``O_NONBLOCK``, and an
-event that cannot be rendered is still written, as a plain line that says why.
+event that cannot be rendered is still written, as a plain line that says why. Lines stay
+whole under any number of writing processes and a full disk (:class:`JsonLinesSink`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
+import select
 import stat
 import sys
 import time
@@ -48,12 +53,28 @@ def _contract_order(
     return {**head, **event_dict}
 
 
-class JsonLinesSink:
-    """The final 'logger': writes each rendered line to stderr and appends it to a file.
+#: The key a shortened stderr line carries (see :func:`_shorten`).
+TRUNCATED = "event_truncated"
 
-    The file is opened per line with ``O_APPEND`` and written with one ``write`` call, so
-    lines from the many processes of one vLLM server interleave whole. Only a regular file
-    (or a path where nothing is yet, created as one) is written; the open never blocks.
+#: How long a writer waits for another's lock on the events file before it appends anyway.
+LOCK_WAIT_SECONDS = 1.0
+
+_HEAD = ("event", "level", "timestamp", "pid")
+
+
+class JsonLinesSink:
+    """The final 'logger': appends each rendered line to the events file, then writes it to
+    stderr, each with one ``write(2)``.
+
+    Stderr lines are kept to the pipe's atomic size (:func:`_atomic_size`): a write that
+    size or smaller to a pipe never interleaves with another process's, so the workers
+    of a server sharing its stderr never tear a line; a larger event goes whole to
+    the events file and as a shortened line (:func:`_shorten`) to stderr. The events file is
+    opened per line with ``O_APPEND`` and written under an exclusive ``flock``: a short
+    write (a full disk) is completed or cut back to where the line began, so the file never
+    keeps part of a line, and a line is never appended to a fragment another writer left
+    (killed mid-write): it then starts on a new line. Only a regular file (or a path where
+    nothing is yet, created as one) is written; the open never blocks.
     """
 
     def __init__(self, events_file: str | None) -> None:
@@ -61,14 +82,20 @@ class JsonLinesSink:
         self._file_error_reported = False
 
     def msg(self, line: str) -> None:
-        data = line + "\n"
-        _stderr(data)
-        if self.events_file:
-            self._append(data.encode())
+        data = (line + "\n").encode("utf-8", "backslashreplace")
+        problem = self._append(data) if self.events_file else None
+        fd = _stderr_fd()
+        limit = _atomic_size(fd)
+        if len(data) > limit:
+            data = _shorten(line, len(data), limit, bool(self.events_file) and problem is None)
+        _stderr(data, fd)
+        if problem is not None:
+            self._report(problem)
 
     debug = info = warning = error = critical = msg
 
-    def _append(self, data: bytes) -> None:
+    def _append(self, data: bytes) -> str | None:
+        """Append ``data`` whole, or not at all; ``None``, or why it is not in the file."""
         path = self.events_file or ""
         try:
             try:
@@ -81,25 +108,29 @@ class JsonLinesSink:
                 if not stat.S_ISREG(before.st_mode):
                     raise _NotRegular(before.st_mode)
             flags = (
-                os.O_WRONLY
-                | os.O_APPEND
+                os.O_APPEND
                 | os.O_CREAT
                 | os.O_NONBLOCK
                 | getattr(os, "O_NOCTTY", 0)
                 | getattr(os, "O_CLOEXEC", 0)
             )
-            fd = os.open(path, flags, 0o644)
+            try:  # read access lets the writer see a fragment at the end (_write_whole)
+                fd = os.open(path, flags | os.O_RDWR, 0o644)
+            except PermissionError:
+                fd = os.open(path, flags | os.O_WRONLY, 0o644)
             try:
                 mode = os.fstat(fd).st_mode
                 if not stat.S_ISREG(mode):  # swapped in after the check above
                     raise _NotRegular(mode)
-                os.write(fd, data)
+                _lock(fd)
+                _write_whole(fd, data)
             finally:
-                os.close(fd)
+                os.close(fd)  # releases the lock
         except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-            self._report(str(exc))
+            return str(exc)
         except _NotRegular as exc:
-            self._report(f"{exc}, not a regular file; events go to stderr only")
+            return f"{exc}, not a regular file; events go to stderr only"
+        return None
 
     def _report(self, detail: str) -> None:
         if self._file_error_reported:
@@ -113,7 +144,7 @@ class JsonLinesSink:
             "events_file": self.events_file,
             "detail": detail,
         }
-        _stderr(json.dumps(line, default=str) + "\n")
+        _stderr((json.dumps(line, default=str) + "\n").encode(), _stderr_fd())
 
 
 class _NotRegular(Exception):
@@ -121,10 +152,134 @@ class _NotRegular(Exception):
         super().__init__(describe(mode))
 
 
-def _stderr(data: str) -> None:
+def _lock(fd: int) -> None:
+    """Take the events file's exclusive lock, waiting at most :data:`LOCK_WAIT_SECONDS`
+    (a holder stopped mid-write must not stop every other process's events): past that, or
+    where the filesystem has no locks, the line is appended without it."""
+    deadline = time.monotonic() + LOCK_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.0005)
+        except OSError:
+            return
+
+
+def _write_whole(fd: int, data: bytes) -> None:
+    """Append ``data`` to the locked file ``fd``: short writes completed; when the rest
+    cannot be written (``ENOSPC``), the part that was is cut off again and the error raised.
+
+    A file that does not end with a newline (a writer killed in the middle of its line)
+    gets one first, so this line is never glued to that fragment.
+    """
+    size = os.fstat(fd).st_size
+    if size:
+        try:
+            last = os.pread(fd, 1, size - 1)
+        except OSError:  # opened write-only
+            last = b"\n"
+        if last != b"\n":
+            data = b"\n" + data
+    view = memoryview(data)
+    written = 0
+    start = -1
     try:
-        sys.stderr.write(data)
-        sys.stderr.flush()
+        while written < len(data):
+            n = os.write(fd, view[written:])
+            if n <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if start < 0:  # O_APPEND: the offset is now the end of what was just written
+                start = os.lseek(fd, 0, os.SEEK_CUR) - n
+            written += n
+    except OSError:
+        if written:
+            with contextlib.suppress(OSError):
+                if os.fstat(fd).st_size == start + written:  # nothing appended after it
+                    os.ftruncate(fd, start)
+        raise
+
+
+def _stderr_fd() -> int | None:
+    """The descriptor under ``sys.stderr``, or ``None`` when it has none (a test's capture)."""
+    try:
+        return int(sys.stderr.fileno())
+    except Exception:
+        return None
+
+
+def _atomic_size(fd: int | None) -> int:
+    """The longest line stderr takes: the pipe's atomic write size (``PIPE_BUF``: 4096 on
+    Linux), whatever stderr is, so the promise does not depend on what it is."""
+    size = select.PIPE_BUF
+    if fd is not None:
+        with contextlib.suppress(OSError, ValueError):
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                size = os.fpathconf(fd, "PC_PIPE_BUF")
+    return max(size, 512) if size > 0 else select.PIPE_BUF
+
+
+def _shorten(line: str, full_size: int, limit: int, in_file: bool) -> bytes:
+    """A stderr line of at most ``limit`` bytes for an event that renders to ``full_size``.
+
+    It keeps the four keys every event has, then as many of the others, whole and in order,
+    as fit, and adds :data:`TRUNCATED`: ``{"bytes": full_size, "omitted": [the keys left
+    out] (their count when the names do not fit), "in_events_file": whether the whole event
+    was appended to the events file}``.
+    """
+    try:
+        record = json.loads(line)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        record = {"event": "hybrid_draft.unreadable_event"}
+    head = {k: record.pop(k) for k in _HEAD if k in record}
+    names = list(record)
+
+    def render(kept: list[str], as_count: bool) -> bytes:
+        omitted = [k for k in names if k not in kept]
+        marker = {
+            "bytes": full_size,
+            "omitted": len(omitted) if as_count else omitted,
+            "in_events_file": in_file,
+        }
+        body = {**head, **{k: record[k] for k in kept}, TRUNCATED: marker}
+        return (json.dumps(body, default=str) + "\n").encode("utf-8", "backslashreplace")
+
+    as_count = len(render([], False)) > limit
+    kept: list[str] = []
+    for name in names:
+        if len(json.dumps(record[name], default=str)) + len(name) >= limit:
+            continue  # cannot fit: not rendered again and again
+        if len(render([*kept, name], as_count)) <= limit:
+            kept.append(name)
+    out = render(kept, as_count)
+    if len(out) <= limit:
+        return out
+    minimal = {  # only an event name of thousands of characters gets here
+        "event": str(head.get("event"))[:200],
+        "level": head.get("level"),
+        "timestamp": head.get("timestamp"),
+        "pid": head.get("pid"),
+        TRUNCATED: {"bytes": full_size, "omitted": len(names), "in_events_file": in_file},
+    }
+    return (json.dumps(minimal, default=str) + "\n").encode()  # under 512 bytes
+
+
+def _stderr(data: bytes, fd: int | None) -> None:
+    """One ``write(2)`` of the whole line to stderr (completed if it is short)."""
+    try:
+        if fd is None:  # no descriptor: the object's own write, in one call
+            sys.stderr.write(data.decode("utf-8", "backslashreplace"))
+            sys.stderr.flush()
+            return
+        sys.stderr.flush()  # what the process wrote through it before comes first
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
     except Exception:  # no stderr (closed, None, a broken pipe): nothing left to tell
         pass
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 import struct
 from collections.abc import Callable, Iterator
@@ -618,6 +619,9 @@ def _write_data(f: object, tensors: list[Tensor], fill: str, seed: int) -> None:
 #: directory holding it is make-checkpoint's own unfinished output, safe to write again.
 MARKER = ".hybrid-draft-make-checkpoint"
 
+#: How :func:`write_file` names the file it writes before renaming it into place.
+PARTIAL = ".{}.partial"
+
 
 class TargetError(ValueError):
     """A target directory make-checkpoint cannot write into (one line naming it)."""
@@ -637,7 +641,11 @@ def is_complete(directory: str | os.PathLike[str]) -> bool:
 def target_state(directory: str | os.PathLike[str]) -> str:
     """What is at ``directory``: ``missing`` or ``empty`` (free to write), ``partial``
     (make-checkpoint's own unfinished output), ``complete`` (a checkpoint) or ``occupied``
-    (anything else). :class:`TargetError` when it is not a directory."""
+    (anything else). :class:`TargetError` when it is not a directory.
+
+    ``partial`` is whatever a make-checkpoint killed at any point leaves: the marker, the
+    marker's own unfinished file (killed before the marker was renamed into place), or
+    nothing but unfinished files."""
     d = Path(directory)
     try:
         st = os.stat(d)
@@ -647,12 +655,33 @@ def target_state(directory: str | os.PathLike[str]) -> str:
         raise TargetError(f"{d}: a parent of the target is not a directory") from None
     if not stat.S_ISDIR(st.st_mode):
         raise TargetError(f"{d}: exists and is not a directory")
-    if os.path.lexists(d / MARKER):
-        return "partial"
+    if os.path.lexists(d / MARKER) or os.path.lexists(d / PARTIAL.format(MARKER)):
+        return "partial"  # the second: killed while writing the marker itself
     if is_complete(d):
         return "complete"
     with os.scandir(d) as entries:
-        return "occupied" if any(True for _ in entries) else "empty"
+        names = [e.name for e in entries]
+    if not names:
+        return "empty"
+    return "partial" if all(_is_partial_name(n) for n in names) else "occupied"
+
+
+#: Every name make-checkpoint writes (the checkpoint's, the tokenizer's and the marker).
+_WRITES = re.compile(
+    r"config\.json|generation_config\.json|tokenizer(_config)?\.json"
+    r"|model(-\d{5,}-of-\d{5,})?\.safetensors|"
+    + re.escape(checkpoint.INDEX_NAME)
+    + "|"
+    + re.escape(MARKER)
+)
+
+
+def _is_partial_name(name: str) -> bool:
+    """Whether ``name`` is what :func:`write_file` names one of make-checkpoint's files
+    before it is finished."""
+    prefix, suffix = PARTIAL.split("{}")
+    inner = name[len(prefix) : -len(suffix)]
+    return name.startswith(prefix) and name.endswith(suffix) and bool(_WRITES.fullmatch(inner))
 
 
 @contextlib.contextmanager
@@ -670,7 +699,7 @@ def write_file(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write ``path`` through a new file beside it, renamed over ``path`` at the end: never
     through a symbolic link (the rename replaces a link, not what it points to), and never
     a half-written file under the final name."""
-    tmp = path.with_name(f".{path.name}.partial")
+    tmp = path.with_name(PARTIAL.format(path.name))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)  # a leftover of an interrupted run (a link is removed, not followed)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
