@@ -322,43 +322,38 @@ def lazy_spy(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
     return recorder
 
 
-class _SafeOpenSpy:
-    """A safetensors handle that records every tensor read through it, then reads it."""
-
-    def __init__(self, handle: Any, entry: dict[str, Any]) -> None:
-        self._handle, self._entry = handle, entry
-
-    def __enter__(self) -> Any:
-        self._handle.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self._handle.__exit__(*exc)
-
-    def get_tensor(self, name: str) -> Any:
-        self._entry["tensors"].append(name)
-        return self._handle.get_tensor(name)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handle, name)
-
-
 @pytest.fixture
 def filtered_reads(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    """Every tensor hybrid-draft's filtered lazy reader takes, per shard it opens (a spy on
-    ``safetensors.safe_open``, which that reader imports when it runs; vLLM's own iterators
-    hold their own reference and are recorded by ``lazy_spy``)."""
-    import safetensors
+    """Every tensor hybrid-draft's filtered reader takes, per shard it opens, and the bytes
+    it read for them (spies on ``shardread.read_shard``, ``tensor`` and ``read_into``, which
+    still do the reading; vLLM's own iterators are recorded by ``lazy_spy``)."""
+    from hybrid_draft.adapter import shardread
 
-    real = safetensors.safe_open
+    real_shard, real_tensor, real_read = (
+        shardread.read_shard,
+        shardread.tensor,
+        shardread.read_into,
+    )
     recorder = Recorder()
+    by_path: dict[str, dict[str, Any]] = {}
 
-    def spy(filename: Any, *args: Any, **kwargs: Any) -> _SafeOpenSpy:
-        entry = {"file": Path(filename).name, "tensors": []}
+    def read_shard(path: str, *args: Any, **kwargs: Any) -> Any:
+        entry = {"file": Path(path).name, "tensors": [], "bytes": 0}
         recorder.calls.append(entry)
-        return _SafeOpenSpy(real(filename, *args, **kwargs), entry)
+        by_path[path] = entry
+        return real_shard(path, *args, **kwargs)
 
-    monkeypatch.setattr(safetensors, "safe_open", spy)
+    def tensor(fd: int, path: str, t: Any) -> Any:
+        by_path[path]["tensors"].append(t.name)
+        return real_tensor(fd, path, t)
+
+    def read_into(fd: int, view: memoryview, offset: int, path: str, what: str) -> None:
+        real_read(fd, view, offset, path, what)
+        by_path[path]["bytes"] += len(view)
+
+    monkeypatch.setattr(shardread, "read_shard", read_shard)
+    monkeypatch.setattr(shardread, "tensor", tensor)
+    monkeypatch.setattr(shardread, "read_into", read_into)
     return recorder
 
 

@@ -104,6 +104,8 @@ def test_instanttensor_target_lazy_draft_with_checkpoint_values(
     assert loaded.draft.lm_head is loaded.target.lm_head
     (draft_load,) = [e for e in events.named("hybrid_draft.loaded") if e["role"] == "draft"]
     sizes = {t.name: t.nbytes for s in read_checkpoint(qwen35) for t in s.tensors}
+    # Each read tensor was read whole, and nothing else was read from its shards.
+    assert sum(c["bytes"] for c in filtered_reads.calls) == sum(sizes[n] for n in read)
     assert draft_load["sources"] == {
         "storage": {"tensors": len(read), "bytes": sum(sizes[n] for n in read)},
         "stream": {"tensors": 0, "bytes": 0},

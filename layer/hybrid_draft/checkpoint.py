@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import math
 import os
 import struct
@@ -86,14 +87,32 @@ class TensorInfo(NamedTuple):
         return self.end - self.start
 
 
+def header_digest(data: bytes) -> str:
+    """The digest of a shard's header bytes (its 8-byte length and JSON): what a reader
+    compares to know the file it opens is the one its plan was made from."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 @dataclass(frozen=True)
 class Shard:
     path: Path
     tensors: tuple[TensorInfo, ...]
+    #: :func:`header_digest` of the header as read (None: not known).
+    digest: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def data_start(self) -> int:
+        """Where the tensors' data begins: 8 bytes and the header's length."""
+        return self.tensors[0].start if self.tensors else 0
+
+    @property
+    def size(self) -> int:
+        """The file's size as its header describes it (the data ends the file)."""
+        return self.tensors[-1].end if self.tensors else 0
 
     @property
     def nbytes(self) -> int:
@@ -408,8 +427,9 @@ def _json_type(value: Any) -> str:
     )
 
 
-def _read(path: str | os.PathLike[str]) -> tuple[int, Any, int]:
-    """(header length, parsed header, file size) of one shard, bounded and non-blocking."""
+def _read(path: str | os.PathLike[str]) -> tuple[int, Any, int, str]:
+    """(header length, parsed header, file size, header digest) of one shard, bounded and
+    non-blocking."""
     shown = files.show_path(path)
     try:
         fd, st = files.open_regular(path)
@@ -440,7 +460,7 @@ def _read(path: str | os.PathLike[str]) -> tuple[int, Any, int]:
     if len(data) != size:
         raise CheckpointError(f"{shown}: shrank while its header was read")
     try:
-        return size, _parse(shown, data), st.st_size
+        return size, _parse(shown, data), st.st_size, header_digest(raw + data)
     except MemoryError:
         raise CheckpointError(f"{shown}: header is too large to parse in memory") from None
 
@@ -449,16 +469,18 @@ class Header(dict[str, Any]):
     """A shard's parsed header (entry name -> entry), with its tensors as validated."""
 
     tensors: tuple[TensorInfo, ...] = ()
+    digest: str | None = None
 
 
 def read_header(path: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]:
     """The header length and the parsed header JSON of one safetensors file, which must be
     one ``safe_open`` accepts (else :class:`CheckpointError`): the one read of a header,
     which :func:`read_shard` goes through too."""
-    size, parsed, file_size = _read(path)
+    size, parsed, file_size, digest = _read(path)
     tensors = _validate(files.show_path(path), parsed, size, file_size)
     header = Header(_pairs(parsed))
     header.tensors = tuple(tensors)
+    header.digest = digest
     return size, header
 
 
@@ -467,7 +489,7 @@ def read_shard(path: str | os.PathLike[str]) -> Shard:
     safetensors would reject, naming the shard and the tensor."""
     size, header = read_header(path)
     if isinstance(header, Header):
-        return Shard(Path(path), header.tensors)
+        return Shard(Path(path), header.tensors, header.digest)
     shown = files.show_path(path)  # a header from elsewhere: checked here
     return Shard(Path(path), tuple(_validate(shown, header, size, os.stat(path).st_size)))
 
@@ -611,6 +633,11 @@ class Selection:
     nbytes: int
     #: Per shard, each kept tensor's byte range ``(start, end)`` in the file, as ``files``.
     ranges: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    #: Per shard, each kept tensor as planned (dtype, shape, range), as ``files``.
+    tensors: dict[str, list[TensorInfo]] = dataclasses.field(default_factory=dict)
+    #: Per shard, the shard as planned (its size and header digest): what a reader checks
+    #: the file it opens against.
+    shards: dict[str, Shard] = dataclasses.field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -624,15 +651,27 @@ class Selection:
         }
 
 
+def selection(shards: Iterable[Shard], keep: Callable[[TensorInfo], bool]) -> Selection:
+    """The tensors ``keep`` accepts, per shard in file order (shards holding none left out)."""
+    names: dict[str, list[str]] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    kept: dict[str, list[TensorInfo]] = {}
+    planned: dict[str, Shard] = {}
+    nbytes = 0
+    for shard in shards:
+        path = str(shard.path)
+        for t in shard.tensors:
+            if keep(t):
+                if path not in planned:
+                    planned[path], names[path], ranges[path], kept[path] = shard, [], [], []
+                names[path].append(t.name)
+                ranges[path].append((t.start, t.end))
+                kept[path].append(t)
+                nbytes += t.nbytes
+    return Selection(names, nbytes, ranges, kept, planned)
+
+
 def select(files: Iterable[str | os.PathLike[str]], is_unused: Callable[[str], bool]) -> Selection:
     """The tensors ``is_unused`` keeps, from the shard headers (no tensor data is read)."""
-    keep: dict[str, list[str]] = {}
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    nbytes = 0
-    for shard in read_files(sorted(str(f) for f in files)):
-        for t in shard.tensors:
-            if not is_unused(t.name):
-                keep.setdefault(str(shard.path), []).append(t.name)
-                ranges.setdefault(str(shard.path), []).append((t.start, t.end))
-                nbytes += t.nbytes
-    return Selection(keep, nbytes, ranges)
+    shards = read_files(sorted(str(f) for f in files))
+    return selection(shards, lambda t: not is_unused(t.name))

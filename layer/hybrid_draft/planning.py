@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
-from hybrid_draft import policy
+from hybrid_draft import checkpoint, policy
 from hybrid_draft.checkpoint import Selection, Shard, TensorInfo
 
 Rule = Callable[[str], bool]
@@ -165,17 +165,7 @@ def evaluated(shards: Iterable[Shard], rule: Rule | None) -> Rule | None:
 
 def select(shards: Iterable[Shard], keep: Callable[[TensorInfo], bool]) -> Selection:
     """The tensors ``keep`` accepts, per shard in file order (shards holding none left out)."""
-    files: dict[str, list[str]] = {}
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    nbytes = 0
-    for shard in shards:
-        path = str(shard.path)
-        for t in shard.tensors:
-            if keep(t):
-                files.setdefault(path, []).append(t.name)
-                ranges.setdefault(path, []).append((t.start, t.end))
-                nbytes += t.nbytes
-    return Selection(files, nbytes, ranges)
+    return checkpoint.selection(shards, keep)
 
 
 def counts(tensors: Iterable[TensorInfo]) -> dict[str, int]:

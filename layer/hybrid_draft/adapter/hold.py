@@ -31,6 +31,7 @@ from typing import Any
 from hybrid_draft.adapter import sharing
 from hybrid_draft.events import emit
 from hybrid_draft.planning import DraftPlan
+from hybrid_draft.settings import Settings
 
 #: The share of the memory left after the target's weights that a hold may take.
 FREE_SHARE = 4
@@ -51,6 +52,9 @@ class Hold:
     wanted: frozenset[str]
     budget: int
     sink: tuple[str, str | None] | None = None
+    #: The settings the target's load made this hold (and its plan) with; the draft's load
+    #: compares its own (``patch._held``).
+    settings: Settings | None = None
     tensors: dict[str, Any] = field(default_factory=dict)
     held_bytes: int = 0
     peak_bytes: int = 0

@@ -12,8 +12,10 @@ initialized" check (which the skipped parameters pass only because vLLM replaces
 only after the layer has checked the rest are complete), quantization. A source without a
 plan (secondary weights, a loader used without one) is read by vLLM's own lazy path.
 
-- ``safetensors_filtered``: the kept tensors, memory-mapped (lazy safetensors), shard by
-  shard in file order. Modes ``auto`` and ``safetensors`` (and the selective fallback).
+- ``safetensors_filtered``: the kept tensors, shard by shard in file order, each read whole
+  from its planned byte range with explicit reads (``shardread``: no memory map, so a shard
+  that shrinks while read is an exception, never a SIGBUS). Modes ``auto`` and
+  ``safetensors`` (and the selective fallback).
 - ``instanttensor_selective``: the kept tensors streamed to the draft's device by
   InstantTensor's ``tensor_filter`` (mode ``selective``).
 
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 from hybrid_draft import checkpoint, planning, policy
-from hybrid_draft.adapter import calls, hold, sharing, stats
+from hybrid_draft.adapter import calls, hold, shardread, sharing, stats
 from hybrid_draft.events import emit
 
 #: The load formats these loaders are registered under.
@@ -66,56 +68,60 @@ PREFETCH_BYTES = 256 << 20
 class _Prefetch:
     """Asks the kernel to start reading the kept byte ranges a window ahead of use.
 
-    Without it every kept tensor is read by page faults on its mapping, a readahead
-    window at a time; with it the kernel reads exactly the kept ranges in large requests,
-    and the mapping's faults find them cached. ``POSIX_FADV_WILLNEED`` only schedules
-    reads: nothing outside the kept ranges is fetched. A no-op where the OS has no fadvise.
+    Without it every kept tensor is read a readahead window at a time; with it the kernel
+    reads exactly the kept ranges in large requests, and the reads find them cached.
+    ``POSIX_FADV_WILLNEED`` only schedules reads: nothing outside the kept ranges is
+    fetched. A no-op where the OS has no fadvise.
     """
 
-    def __init__(self, path: str, ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
         self.ranges, self.issued, self.ahead = ranges, 0, 0
-        self.fd = os.open(path, os.O_RDONLY) if hasattr(os, "posix_fadvise") else None
+        self.enabled = hasattr(os, "posix_fadvise")
 
-    def before(self, i: int) -> None:
-        """Called before tensor ``i`` is taken: keep the window ahead of it scheduled."""
+    def before(self, fd: int, i: int) -> None:
+        """Called before tensor ``i`` is read from ``fd``: keep the window ahead scheduled."""
         while (
-            self.fd is not None
+            self.enabled
             and self.issued < len(self.ranges)
             and (self.issued <= i or self.ahead < PREFETCH_BYTES)
         ):
             start, end = self.ranges[self.issued]
-            os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
             self.ahead += end - start
             self.issued += 1
         start, end = self.ranges[i]
         self.ahead -= end - start
 
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
+
+def _planned(
+    selection: checkpoint.Selection, path: str
+) -> tuple[checkpoint.Shard, list[checkpoint.TensorInfo]]:
+    """The shard at ``path`` as planned and its kept tensors, in file order (a selection
+    made without them: from the shard's header, read now)."""
+    shard = selection.shards.get(path)
+    tensors = selection.tensors.get(path)
+    if shard is None or tensors is None:
+        shard = checkpoint.read_shard(path)
+        by_name = {t.name: t for t in shard.tensors}
+        tensors = [by_name[n] for n in selection.files[path]]
+    return shard, tensors
 
 
 def lazy_filtered_iterator(
     selection: checkpoint.Selection, use_tqdm_on_load: bool = True
 ) -> Weights:
-    """Memory-map each selected shard and take only its kept tensors, in file order."""
-    from safetensors import safe_open
-
+    """Read each selected shard's kept tensors, in file order, with explicit reads of their
+    planned byte ranges (``shardread``): a shard that shrinks meanwhile raises, naming it."""
     with _tqdm(
         len(selection.files),
-        "Loading the draft's tensors (lazy safetensors, filtered)",
+        "Loading the draft's tensors (safetensors, filtered)",
         use_tqdm_on_load,
         unit="shard",
     ) as bar:
-        for path, names in selection.files.items():
-            prefetch = _Prefetch(path, selection.ranges[path])
-            try:
-                with safe_open(path, framework="pt") as f:
-                    for i, name in enumerate(names):
-                        prefetch.before(i)
-                        yield name, f.get_tensor(name)
-            finally:
-                prefetch.close()
+        for path in selection.files:
+            shard, tensors = _planned(selection, path)
+            prefetch = _Prefetch([(t.start, t.end) for t in tensors])
+            yield from shardread.read_shard(path, shard, tensors, prefetch.before)
             bar.update(1)
 
 
@@ -441,7 +447,7 @@ def _loader_classes() -> dict[str, type]:
             return None if loaded is None else loaded | pending
 
     class FilteredSafetensorsLoader(PlannedDraftLoader):
-        """Lazy safetensors that never touch a tensor the draft's plan leaves out."""
+        """Safetensors read by the draft's plan: never a tensor the plan leaves out."""
 
         def read(self, selection: checkpoint.Selection) -> Weights:
             return lazy_filtered_iterator(selection, self.load_config.use_tqdm_on_load)

@@ -264,6 +264,9 @@ class Load:
     draft: Any = None
     #: A target load whose InstantTensor stream keeps the draft's tensors.
     tap: hold.Hold | None = None
+    #: The settings the load was decided with: its one snapshot, which its decision, its
+    #: loaded/load_failed event and what it reads all follow (None until read).
+    snapshot: settings.Settings | None = None
 
 
 _LOAD: ContextVar[Load | None] = ContextVar("hybrid_draft_load", default=None)
@@ -345,10 +348,10 @@ def run(resolve: Callable[[], calls.Call], proceed: Callable[[Any], Any]) -> Any
                     "action": "kept",
                     "reason": "layer_error",
                     "detail": f"{type(exc).__name__}: {exc}",
-                    **where.fields(),
+                    **where.fields(load.snapshot),
                 },
             )
-            load = Load(role=load.role, model=load.model, sink=load.sink)
+            load = Load(role=load.role, model=load.model, sink=load.sink, snapshot=load.snapshot)
         token = _LOAD.set(load)
         try:
             with _reading(load):
@@ -390,7 +393,7 @@ def _finish(load: Load, cost: stats.LoadStats, exc: BaseException | None) -> Non
             "load_format": load.load_format,
             "tensor_filter": load.tensor_filter,
             **cost.fields(),
-            **where.fields(),
+            **where.fields(load.snapshot),
         }
         if load.draft is not None and load.draft.sources:
             fields["sources"] = load.draft.sources
@@ -453,6 +456,7 @@ def decide(call: calls.Call, load: Load) -> None:
     load.model = request.model.model if request.model else None
     load.load_format = request.requested_format
     current = _current_settings()
+    load.snapshot = current
     load.sink = (current.level.value, current.events_file.value)
     decision = policy.decide(request, current.mode.value)
     extra: dict[str, Any] = {}
@@ -467,6 +471,9 @@ def decide(call: calls.Call, load: Load) -> None:
             }
     else:
         decision = _decide_draft(call, request, decision, current, load, extra)
+        changed = extra.get("settings_changed")
+        if changed is not None and changed["stream"] == "taken" and load.draft is None:
+            changed["stream"] = "unused"  # the new settings do not read the draft by its plan
     if decision.switched:
         load.load_format = decision.chosen_format
     pipeline.guard(call, load, extra)
@@ -481,13 +488,13 @@ def _same_checkpoint(request: policy.Request) -> bool:
     )
 
 
-def _plan(call: calls.Call, extra: dict[str, Any], skip_replaced: bool) -> DraftPlan | None:
-    """The draft's plan: the one its target's load made, else made now (None on a fault,
-    which the decision then reports as ``plan_error``)."""
-    scope = hold.current()
-    held = scope.hold_for(call.model_config) if scope is not None else None
-    if held is not None:
-        return held.plan
+def _plan(
+    call: calls.Call, extra: dict[str, Any], skip_replaced: bool, held_plan: DraftPlan | None
+) -> DraftPlan | None:
+    """The draft's plan: the one its target's load made (``held_plan``), else made now
+    (None on a fault, which the decision then reports as ``plan_error``)."""
+    if held_plan is not None:
+        return held_plan
     from hybrid_draft.adapter import draftplan
 
     try:
@@ -495,6 +502,48 @@ def _plan(call: calls.Call, extra: dict[str, Any], skip_replaced: bool) -> Draft
     except Exception as exc:  # reported, and the draft loads on vLLM's own lazy path
         extra["plan_error"] = f"{type(exc).__name__}: {exc}"
         return None
+
+
+def _held(
+    call: calls.Call, current: settings.Settings, extra: dict[str, Any]
+) -> tuple[hold.Hold | None, DraftPlan | None]:
+    """The hold the target's load made for this draft and the plan it holds, as far as the
+    draft's own settings allow them: settings that changed between the two loads (a config
+    file replaced) are followed, never the target's. A changed ``skip_replaced`` makes the
+    held plan another draft's: the draft plans anew (``plan: "replanned"``). A changed
+    ``hold_budget`` sized the hold by other settings: it is released and the draft reads
+    from storage (``stream: "released"``). The decision's ``settings_changed`` says which."""
+    scope = hold.current()
+    held = scope.hold_for(call.model_config) if scope is not None else None
+    if held is None:
+        return None, None
+    held.sink = (current.level.value, current.events_file.value)  # the draft's from here on
+    if held.settings is None:
+        return held, held.plan
+    changed = [
+        name
+        for name in settings.DECISION_SETTINGS
+        if getattr(held.settings, name).value != getattr(current, name).value
+    ]
+    if not changed:
+        return held, held.plan
+    plan: DraftPlan | None = held.plan
+    report = {
+        "target_settings_fingerprint": held.settings.fingerprint(),
+        "changed": changed,
+        "plan": "held",
+        "stream": "taken",
+    }
+    if "skip_replaced" in changed:
+        plan, report["plan"] = None, "replanned"
+    if "hold_budget" in changed:
+        held.release(
+            "the settings changed between the target's load and the draft's (hold_budget): "
+            "the draft reads from storage"
+        )
+        held, report["stream"] = None, "released"
+    extra["settings_changed"] = report
+    return held, plan
 
 
 def _decide_draft(
@@ -514,7 +563,8 @@ def _decide_draft(
         extra["rule_error"] = f"{type(exc).__name__}: {exc}"
     same = _same_checkpoint(request)
     skip = bool(current.skip_replaced.value)
-    plan = _plan(call, extra, skip) if same or decision.switched else None
+    held, held_plan = _held(call, current, extra)
+    plan = _plan(call, extra, skip, held_plan) if same or decision.switched else None
     if same:  # null when planning failed: unknown, not "nothing to say"
         extra["warnings"] = (
             plan.warnings() if plan is not None else (None if "plan_error" in extra else [])
@@ -555,8 +605,6 @@ def _decide_draft(
     else:
         return decision
     assert plan is not None  # (its load format was registered when get_model was wrapped)
-    scope = hold.current()
-    held = scope.hold_for(call.model_config) if scope is not None else None
     load.tensor_filter = True
     load.draft = loaders.DraftRead(
         plan=plan,
@@ -627,6 +675,7 @@ def _tap(
         wanted=frozenset(chosen),
         budget=budget,
         sink=(current.level.value, current.events_file.value),
+        settings=current,
     )
     scope.holds.append(tap)
     return tap, {
