@@ -302,3 +302,62 @@ def test_bad_indexes(index: str, fragment: str, tmp_path: Path) -> None:
     (model / checkpoint.INDEX_NAME).write_text(index)
     with pytest.raises(CheckpointError, match=re.escape(fragment)):
         checkpoint.shard_files(model)
+
+
+# --- the draft's filtered reader: the tensors safe_open gives -------------------------------
+
+#: Shapes per dtype: a matrix, an empty one, a vector and a scalar (F4 packs two to a byte,
+#: so it has no scalar and wants an even last dimension).
+_SHAPES = ([3, 4], [0, 2], [6], [])
+
+
+@pytest.mark.parametrize("dtype", sorted(checkpoint.DTYPE_BITS))
+def test_the_filtered_reader_gives_what_safe_open_gives(dtype: str, tmp_path: Path) -> None:
+    """Each dtype safetensors knows: the same dtype, shape and bytes as ``get_tensor``, or,
+    where PyTorch has no such dtype (F6), a refusal from both."""
+    import random
+
+    import torch
+    from safetensors import safe_open
+
+    from hybrid_draft.adapter import shardread
+
+    bits = checkpoint.DTYPE_BITS[dtype]
+    header: dict[str, object] = {}
+    data = bytearray()
+    rng = random.Random(dtype)
+    for i, shape in enumerate(_SHAPES):
+        count = 1
+        for d in shape:
+            count *= d
+        if (count * bits) % 8:
+            continue  # not a whole number of bytes: no such tensor
+        size = count * bits // 8
+        header[f"t{i}"] = {
+            "dtype": dtype,
+            "shape": shape,
+            "data_offsets": [len(data), len(data) + size],
+        }
+        data += bytes(rng.randrange(2 if dtype == "BOOL" else 256) for _ in range(size))
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(shard_bytes(json.dumps(header), tail=bytes(data)))
+    shard = checkpoint.read_shard(path)
+    with safe_open(str(path), "pt") as f:
+        try:
+            expected = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        except Exception:
+            expected = None
+    if expected is None:
+        with pytest.raises(CheckpointError, match=f"dtype {dtype} has no torch dtype"):
+            list(shardread.read_shard(str(path), shard, list(shard.tensors)))
+        return
+    got = dict(shardread.read_shard(str(path), shard, list(shard.tensors)))
+    assert got.keys() == expected.keys() and got
+    for name, want in expected.items():
+        have = got[name]
+        assert (have.dtype, have.shape) == (want.dtype, want.shape), name
+        as_bytes = [
+            t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+            for t in (have, want)
+        ]
+        assert torch.equal(*as_bytes), name

@@ -71,8 +71,6 @@ def read_into(fd: int, view: memoryview, offset: int, path: str, what: str) -> N
     while got < want:
         try:
             n = os.preadv(fd, [view[got:]], offset + got)
-        except InterruptedError:  # pragma: no cover - retried by Python itself (PEP 475)
-            continue
         except OSError as exc:
             raise ShardChanged(
                 f"{files.show_path(path)}: reading {what} ({want:,} bytes at offset "
