@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1.7
 # hybrid-draft: a derived vLLM image. The base image, its Python, its packages, its user
 # and its entrypoint stay as they are; this layer adds the hybrid-draft wheel (its .pth
 # activates it in the base's Python), InstantTensor where the base has none, and
@@ -7,16 +6,32 @@
 
 ARG BASE_IMAGE=vllm/vllm-openai:v0.33.0
 
+# Where the build's packages come from: the wheel stage's build backend (hatchling) and
+# whatever the base lacks of the layer's dependencies (structlog, requests, rich).
+#   PACKAGE_INDEX   an index URL (a mirror) that pip and uv use instead of their default;
+#                   `none`: no index at all, only the `wheels` context
+#   wheels          a named build context of wheel files, searched before any index
+#                   (bake: --set '*.contexts.wheels=DIR'); empty by default
+# Only the steps that install read them; the image keeps no trace of either.
+ARG PACKAGE_INDEX=
+
+# The default `wheels` context: no wheels.
+FROM scratch AS wheels
+
 # Build the wheel in a throwaway stage: no build backend or wheel reaches the final image.
 # uv where the base has it (vllm/vllm-openai installs with uv and needs no pip), else pip.
 FROM ${BASE_IMAGE} AS wheel
 ARG PYTHON=python3
+ARG PACKAGE_INDEX
 # hadolint ignore=DL3002
 USER 0
 WORKDIR /src
+COPY docker/package-sources.sh /usr/local/lib/hybrid-draft-build/package-sources.sh
 COPY pyproject.toml README.md ./
 COPY layer ./layer
-RUN if command -v uv >/dev/null 2>&1; then \
+RUN --mount=type=bind,from=wheels,target=/tmp/hybrid-draft/wheels \
+    . /usr/local/lib/hybrid-draft-build/package-sources.sh \
+ && if command -v uv >/dev/null 2>&1; then \
         uv build --no-cache --python "$(command -v "${PYTHON}")" --wheel --out-dir /dist /src; \
     else \
         "${PYTHON}" -m pip wheel --no-cache-dir --no-deps --wheel-dir /dist /src; \
@@ -24,6 +39,7 @@ RUN if command -v uv >/dev/null 2>&1; then \
 
 FROM ${BASE_IMAGE}
 ARG BASE_IMAGE
+ARG PACKAGE_INDEX
 ARG PYTHON=python3
 # The user the base image runs as (vllm/vllm-openai: root; its -nonroot variant: vllm).
 # The install needs root; the image then runs as this user again.
@@ -56,7 +72,10 @@ USER 0
 RUN --mount=type=bind,from=wheel,source=/dist,target=/tmp/hybrid-draft/dist \
     --mount=type=bind,source=docker/install-layer.sh,target=/tmp/hybrid-draft/install-layer.sh \
     --mount=type=bind,source=pins.txt,target=/tmp/hybrid-draft/pins.txt \
-    INSTANTTENSOR_VERSION="${INSTANTTENSOR_VERSION}" sh /tmp/hybrid-draft/install-layer.sh \
+    --mount=type=bind,source=docker/package-sources.sh,target=/tmp/hybrid-draft/package-sources.sh \
+    --mount=type=bind,from=wheels,target=/tmp/hybrid-draft/wheels \
+    . /tmp/hybrid-draft/package-sources.sh \
+ && INSTANTTENSOR_VERSION="${INSTANTTENSOR_VERSION}" sh /tmp/hybrid-draft/install-layer.sh \
         "$(command -v "${PYTHON}")" /tmp/hybrid-draft/dist/hybrid_draft-*.whl \
         /tmp/hybrid-draft/pins.txt \
  && install -d -o "${BASE_USER}" /model /events

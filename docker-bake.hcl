@@ -1,5 +1,12 @@
 # docker buildx bake            -> the image for this host, loaded for `docker compose up`
-# docker buildx bake official   -> linux/amd64 + linux/arm64 from the official vLLM image
+# docker buildx bake official   -> linux/amd64 + linux/arm64 from the official vLLM image.
+#                                  Two platforms need a builder of the docker-container
+#                                  driver (Docker's own `docker` driver builds one platform
+#                                  only) and somewhere to put the result:
+#                                    docker buildx create --name hybrid-draft --driver docker-container --bootstrap
+#                                    REPOSITORY=ghcr.io/me/vllm docker buildx bake --builder hybrid-draft --push official
+#                                  or one platform with the default builder, loaded locally:
+#                                    PLATFORMS=linux/amd64 docker buildx bake official
 # docker buildx bake official-nonroot
 #                               -> the same from the official image's non-root variant; the
 #                                  image keeps running as its user (vllm, uid 2000)
@@ -7,6 +14,10 @@
 # A base that runs as another user than root: set BASE_USER to it (the build stops, saying
 # so, when it is not the base's user), e.g. BASE_IMAGE=my/vllm BASE_USER=vllm docker buildx bake.
 # Override any variable from the environment, e.g. REPOSITORY=ghcr.io/me/vllm docker buildx bake.
+# Without the public package index (the build fetches hatchling, and what the base lacks of
+# the layer's dependencies): PACKAGE_INDEX=https://mirror/simple docker buildx bake, or the
+# wheels as files and no index at all: WHEELS=./wheels PACKAGE_INDEX=none docker buildx bake
+# (fill ./wheels with `pip download --only-binary :all: -d wheels hatchling structlog requests rich`).
 
 variable "VLLM_VERSION" {
   default = "0.33.0"
@@ -55,6 +66,16 @@ variable "PLATFORMS" {
   default = "linux/amd64,linux/arm64"
 }
 
+# An index URL (a mirror) for pip and uv in the build, `none` for no index; empty: theirs.
+variable "PACKAGE_INDEX" {
+  default = ""
+}
+
+# A folder of wheel files the build searches first (the Dockerfile's `wheels` context).
+variable "WHEELS" {
+  default = ""
+}
+
 variable "SOURCE_URL" {
   default = "https://github.com/hybrid-draft/hybrid-draft"
 }
@@ -78,7 +99,9 @@ target "_common" {
     INSTANTTENSOR_VERSION = "${INSTANTTENSOR_VERSION}"
     HYBRID_DRAFT_VERSION  = "${HYBRID_DRAFT_VERSION}"
     SOURCE_URL            = "${SOURCE_URL}"
+    PACKAGE_INDEX         = "${PACKAGE_INDEX}"
   }
+  contexts = notequal(WHEELS, "") ? { wheels = WHEELS } : {}
 }
 
 # This host's platform, loaded into the local image store under the tag compose.yaml uses.

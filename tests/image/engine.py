@@ -1,0 +1,215 @@
+"""A Docker Engine of the image test's own, and the two user commands run against it:
+``docker buildx bake TARGET`` and ``docker compose -f compose.yaml -f cpu-compose.yaml up
+--exit-code-from smoke``.
+
+dockerd runs as root in a network namespace of its own (``ip netns``, loopback only), so no
+container, build step or published port can reach beyond this machine; it is started with
+``nsenter --net`` (``ip netns exec`` would remount /sys and hide the cgroup mounts dockerd
+needs). Its data (overlay2: vfs would copy every layer) is under build/docker-engine/ and
+is removed when the engine stops, as is the namespace. No registry is reachable from it: the
+bases come from buildah's storage (:meth:`Engine.load`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import buildah
+from buildfiles import REPO
+
+ROOT = REPO / "build" / "docker-engine"
+NETNS = f"{buildah.PREFIX}docker"
+CPU_COMPOSE = Path(__file__).with_name("cpu-compose.yaml")
+#: The compose project compose.yaml names (``name:``): its volumes are PROJECT_NAME.
+PROJECT = "hybrid-draft"
+SCRATCH = Path(os.environ.get("HYBRID_DRAFT_IMAGE_TEST_TMP", "/var/tmp"))
+UP_TIMEOUT_S = float(os.environ.get("HYBRID_DRAFT_IMAGE_TEST_HEALTH_TIMEOUT", "900")) + 120
+
+
+@dataclass
+class Engine:
+    root: Path = ROOT
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "docker.sock"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.root / "dockerd.pid"
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of a docker command: this engine, and nothing of a user's
+        compose or bake variables but ``extra``."""
+        keep = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TERM")}
+        return {**keep, "DOCKER_HOST": f"unix://{self.socket}", **(extra or {})}
+
+    def docker(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        check: bool = True,
+        timeout: float | None = 1800,
+    ) -> subprocess.CompletedProcess[str]:
+        """``docker ARGS`` against this engine; with ``log``, its output goes there too."""
+        out = subprocess.run(
+            ["docker", *args],
+            cwd=REPO,
+            env=self.env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
+        if log is not None:
+            log.write_text(out.stdout)
+        if check and out.returncode != 0:
+            raise RuntimeError(
+                f"docker {' '.join(args)} exited {out.returncode}:\n{out.stdout[-4000:]}"
+            )
+        return out
+
+    def start(self) -> None:
+        self.stop()  # a run that was killed half-way leaves its engine behind
+        self.root.mkdir(parents=True)
+        subprocess.run(["ip", "netns", "add", NETNS], check=True)
+        subprocess.run(["ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up"], check=True)
+        with open(self.root / "dockerd.log", "w") as log:
+            subprocess.Popen(
+                [
+                    "nsenter",
+                    f"--net=/run/netns/{NETNS}",
+                    "dockerd",
+                    "--data-root",
+                    str(self.root / "data"),
+                    "--exec-root",
+                    f"/run/{NETNS}",
+                    "--pidfile",
+                    str(self.pidfile),
+                    "-H",
+                    f"unix://{self.socket}",
+                    "--storage-driver",
+                    "overlay2",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 60
+        while self.docker("info", check=False, timeout=10).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    "dockerd did not start:\n" + (self.root / "dockerd.log").read_text()[-4000:]
+                )
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Stop dockerd (its containers with it) and remove its data and namespace."""
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            pid = int(self.pidfile.read_text())
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(300):
+                    os.kill(pid, 0)
+                    time.sleep(0.1)
+                os.kill(pid, signal.SIGKILL)
+        # overlay2 mounts dockerd left (a killed engine unmounts nothing)
+        mounts = Path("/proc/mounts").read_text().splitlines()
+        for line in reversed(mounts):
+            where = line.split()[1]
+            if where.startswith(str(self.root)) or where.startswith(f"/run/{NETNS}"):
+                subprocess.run(["umount", "-l", where], capture_output=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(f"/run/{NETNS}", ignore_errors=True)
+        subprocess.run(["ip", "netns", "delete", NETNS], capture_output=True)
+
+    def disk_bytes(self) -> int:
+        out = subprocess.run(["du", "-sb", str(self.root)], capture_output=True, text=True)
+        return int(out.stdout.split()[0]) if out.returncode == 0 else -1
+
+    def load(self, image: str) -> str:
+        """An image of buildah's storage, copied into this engine under the same name.
+
+        Through a docker-archive file (``buildah push IMAGE docker-archive:FILE``, then
+        ``docker load``): buildah's ``docker-daemon:`` transport (buildah 1.28) breaks off
+        against this engine ("read/write on closed pipe")."""
+        if self.docker("image", "inspect", image, check=False).returncode == 0:
+            return image
+        with tempfile.TemporaryDirectory(prefix="hybrid-draft-load-", dir=SCRATCH) as tmp:
+            archive = Path(tmp) / "image.tar"
+            buildah.buildah("push", "--quiet", image, f"docker-archive:{archive}:{image}")
+            self.docker("load", "--quiet", "--input", str(archive))
+        return image
+
+    def bake(
+        self, target: str, variables: dict[str, str], log: Path
+    ) -> subprocess.CompletedProcess[str]:
+        """``VAR=... docker buildx bake TARGET``, as the README gives it, from the repository;
+        bake's environment is ``variables`` only."""
+        return self.docker(
+            "buildx", "bake", "--progress", "plain", target, env=variables, log=log, check=False
+        )
+
+    def image_labels(self, ref: str) -> dict[str, str]:
+        out = self.docker("image", "inspect", "--format", "{{json .Config.Labels}}", ref)
+        return json.loads(out.stdout) or {}
+
+    # --- compose ---------------------------------------------------------------------------
+
+    def compose(
+        self,
+        *args: str,
+        variables: dict[str, str],
+        log: Path | None = None,
+        check: bool = True,
+        timeout: float | None = 600,
+    ) -> subprocess.CompletedProcess[str]:
+        return self.docker(
+            "compose",
+            "--ansi",
+            "never",
+            "-f",
+            "compose.yaml",
+            "-f",
+            str(CPU_COMPOSE.relative_to(REPO)),
+            *args,
+            env=variables,
+            log=log,
+            check=check,
+            timeout=timeout,
+        )
+
+    def up(self, variables: dict[str, str], log: Path) -> subprocess.CompletedProcess[str]:
+        """``docker compose -f compose.yaml -f cpu-compose.yaml up --exit-code-from smoke``;
+        the stack's containers are stopped when it returns (the volumes are kept)."""
+        try:
+            return self.compose(
+                "up",
+                "--exit-code-from",
+                "smoke",
+                variables=variables,
+                log=log,
+                check=False,
+                timeout=UP_TIMEOUT_S,
+            )
+        finally:
+            self.compose("stop", variables=variables, check=False)
+
+    def volume_path(self, volume: str) -> Path:
+        """Where compose's named volume ``volume`` of the project lies on this machine."""
+        out = self.docker("volume", "inspect", "--format", "{{.Mountpoint}}", f"{PROJECT}_{volume}")
+        return Path(out.stdout.strip())
+
+    def remove_volume(self, volume: str, variables: dict[str, str]) -> None:
+        self.compose("rm", "--force", "--stop", variables=variables, check=False)
+        self.docker("volume", "rm", "--force", f"{PROJECT}_{volume}", check=False)
