@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 import buildah
+import hostcpu
 from buildfiles import REPO, compose
 
 CPU_RUN = Path(__file__).with_name("cpu-run.yaml")
@@ -224,7 +225,10 @@ def resolve(
                 "(not_applied)"
             )
         cfg = image_cfg[svc["image"]]
-        argv = argv_of(svc, cfg) + list(extra.get("append_command", []))
+        appended = [
+            str(a).format(dtype=hostcpu.serving_dtype()) for a in extra.get("append_command", [])
+        ]
+        argv = argv_of(svc, cfg) + appended
         env = {**as_env(svc.get("environment")), **as_env(extra.get("environment"))}
         volumes = volume_args(svc, named)
         if extra.get("standin"):

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+import hostcpu
 from buildfiles import REPO, pins
 from conftest import LOCAL_VERSION, Baked, baked, python_info
 from engine import CPU_COMPOSE, Engine
@@ -38,6 +39,7 @@ CPU_VARIABLES = {
     "CHECKPOINT_ARCH": "deepseek_v3",
     "CHECKPOINT_PRESET": "cpu",
     "MAX_MODEL_LEN": "1024",
+    "CPU_DTYPE": hostcpu.serving_dtype(),  # tests/hostcpu.py: bfloat16 where AMX_MLA serves
 }
 
 
@@ -142,7 +144,8 @@ def test_the_cpu_override_changes_only_what_it_says(engine: Engine) -> None:
     )
     merged = yaml.safe_load(engine.compose("config", variables=variables).stdout)
     server, gpu_server = merged["services"]["server"], alone["services"]["server"]
-    assert server["command"] == [*gpu_server["command"], "--dtype", "float32", "--enforce-eager"]
+    dtype = CPU_VARIABLES["CPU_DTYPE"]
+    assert server["command"] == [*gpu_server["command"], "--dtype", dtype, "--enforce-eager"]
     assert "deploy" in gpu_server and "deploy" not in server
     assert {
         k: v for k, v in server.items() if k not in ("command", "deploy", "environment", "volumes")
