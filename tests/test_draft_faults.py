@@ -53,18 +53,20 @@ def _failed_draft(events: Events) -> dict[str, Any]:
     return failed
 
 
+@pytest.fixture
+def model(qwen35: Path, tmp_path: Path) -> Path:
+    """A copy of the Qwen3.5 checkpoint that a test may cut or rewrite."""
+    out = tmp_path / "model"
+    shutil.copytree(qwen35, out)
+    return out
+
+
 @in_child
 def test_child_a_shard_truncated_while_read(
-    qwen35: Path,
-    tmp_path: Path,
-    events: Events,
-    instanttensor_standin: Recorder,
-    monkeypatch: pytest.MonkeyPatch,
+    model: Path, events: Events, instanttensor_standin: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hybrid_draft.adapter import shardread
 
-    model = tmp_path / "model"
-    shutil.copytree(qwen35, model)
     real = shardread.read_into
     cut: list[tuple[str, int, int]] = []
 
@@ -87,16 +89,10 @@ def test_child_a_shard_truncated_while_read(
 
 @in_child
 def test_child_a_shard_truncated_after_the_plan(
-    qwen35: Path,
-    tmp_path: Path,
-    events: Events,
-    instanttensor_standin: Recorder,
-    monkeypatch: pytest.MonkeyPatch,
+    model: Path, events: Events, instanttensor_standin: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hybrid_draft.adapter import shardread
 
-    model = tmp_path / "model"
-    shutil.copytree(qwen35, model)
     real = shardread.read_shard
     sizes: dict[str, int] = {}
 
@@ -117,18 +113,12 @@ def test_child_a_shard_truncated_after_the_plan(
 
 @in_child
 def test_child_a_shard_rewritten_after_the_plan(
-    qwen35: Path,
-    tmp_path: Path,
-    events: Events,
-    instanttensor_standin: Recorder,
-    monkeypatch: pytest.MonkeyPatch,
+    model: Path, events: Events, instanttensor_standin: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same size, another header (one tensor renamed in place): refused, never read at
     the offsets of the header planned."""
     from hybrid_draft.adapter import shardread
 
-    model = tmp_path / "model"
-    shutil.copytree(qwen35, model)
     real = shardread.read_shard
     rewritten: list[str] = []
 
