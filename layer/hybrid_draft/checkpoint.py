@@ -623,29 +623,34 @@ def read_files(paths: Iterable[str | os.PathLike[str]]) -> list[Shard]:
 
 @dataclass(frozen=True)
 class Selection:
-    """The tensors a draft keeps, per shard in file order, each shard's names in file order.
+    """The tensors a draft keeps, per shard in file order, each shard's tensors in file order.
 
     What the draft loaders read (``adapter/loaders.py``): a shard with no kept tensor is
     never opened, a rejected tensor is never touched.
     """
 
-    files: dict[str, list[str]]
-    nbytes: int
-    #: Per shard, each kept tensor's byte range ``(start, end)`` in the file, as ``files``.
-    ranges: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
-    #: Per shard, each kept tensor as planned (dtype, shape, range), as ``files``.
-    tensors: dict[str, list[TensorInfo]] = dataclasses.field(default_factory=dict)
+    #: Per shard, each kept tensor as planned (name, dtype, shape, byte range).
+    tensors: dict[str, list[TensorInfo]]
     #: Per shard, the shard as planned (its size and header digest): what a reader checks
     #: the file it opens against.
-    shards: dict[str, Shard] = dataclasses.field(default_factory=dict)
+    shards: dict[str, Shard]
+
+    @property
+    def files(self) -> dict[str, list[str]]:
+        """Per shard, the kept tensors' names."""
+        return {path: [t.name for t in kept] for path, kept in self.tensors.items()}
 
     @property
     def names(self) -> list[str]:
-        return [n for names in self.files.values() for n in names]
+        return [t.name for kept in self.tensors.values() for t in kept]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for kept in self.tensors.values() for t in kept)
 
     def summary(self) -> dict[str, int]:
         return {
-            "planned_shards": len(self.files),
+            "planned_shards": len(self.tensors),
             "planned_tensors": len(self.names),
             "planned_bytes": self.nbytes,
         }
@@ -653,25 +658,10 @@ class Selection:
 
 def selection(shards: Iterable[Shard], keep: Callable[[TensorInfo], bool]) -> Selection:
     """The tensors ``keep`` accepts, per shard in file order (shards holding none left out)."""
-    names: dict[str, list[str]] = {}
-    ranges: dict[str, list[tuple[int, int]]] = {}
     kept: dict[str, list[TensorInfo]] = {}
     planned: dict[str, Shard] = {}
-    nbytes = 0
     for shard in shards:
-        path = str(shard.path)
-        for t in shard.tensors:
-            if keep(t):
-                if path not in planned:
-                    planned[path], names[path], ranges[path], kept[path] = shard, [], [], []
-                names[path].append(t.name)
-                ranges[path].append((t.start, t.end))
-                kept[path].append(t)
-                nbytes += t.nbytes
-    return Selection(names, nbytes, ranges, kept, planned)
-
-
-def select(files: Iterable[str | os.PathLike[str]], is_unused: Callable[[str], bool]) -> Selection:
-    """The tensors ``is_unused`` keeps, from the shard headers (no tensor data is read)."""
-    shards = read_files(sorted(str(f) for f in files))
-    return selection(shards, lambda t: not is_unused(t.name))
+        tensors = [t for t in shard.tensors if keep(t)]
+        if tensors:
+            kept[str(shard.path)], planned[str(shard.path)] = tensors, shard
+    return Selection(kept, planned)

@@ -163,11 +163,6 @@ def evaluated(shards: Iterable[Shard], rule: Rule | None) -> Rule | None:
     return unused.__contains__
 
 
-def select(shards: Iterable[Shard], keep: Callable[[TensorInfo], bool]) -> Selection:
-    """The tensors ``keep`` accepts, per shard in file order (shards holding none left out)."""
-    return checkpoint.selection(shards, keep)
-
-
 def counts(tensors: Iterable[TensorInfo]) -> dict[str, int]:
     """``{"tensors": n, "bytes": b}``: the shape of every count in the events."""
     items = list(tensors)
@@ -234,7 +229,7 @@ class DraftPlan:
         replaced ones) and any ``skip`` says no to (another rank's experts, held ones)."""
         dropped = set(self.replaced if replaced is None else replaced)
         wanted = {t.name for t in self.kept} - dropped
-        return select(
+        return checkpoint.selection(
             self.shards, lambda t: t.name in wanted and not (skip is not None and skip(t.name))
         )
 

@@ -93,35 +93,20 @@ class _Prefetch:
         self.ahead -= end - start
 
 
-def _planned(
-    selection: checkpoint.Selection, path: str
-) -> tuple[checkpoint.Shard, list[checkpoint.TensorInfo]]:
-    """The shard at ``path`` as planned and its kept tensors, in file order (a selection
-    made without them: from the shard's header, read now)."""
-    shard = selection.shards.get(path)
-    tensors = selection.tensors.get(path)
-    if shard is None or tensors is None:
-        shard = checkpoint.read_shard(path)
-        by_name = {t.name: t for t in shard.tensors}
-        tensors = [by_name[n] for n in selection.files[path]]
-    return shard, tensors
-
-
 def lazy_filtered_iterator(
     selection: checkpoint.Selection, use_tqdm_on_load: bool = True
 ) -> Weights:
     """Read each selected shard's kept tensors, in file order, with explicit reads of their
     planned byte ranges (``shardread``): a shard that shrinks meanwhile raises, naming it."""
     with _tqdm(
-        len(selection.files),
+        len(selection.tensors),
         "Loading the draft's tensors (safetensors, filtered)",
         use_tqdm_on_load,
         unit="shard",
     ) as bar:
-        for path in selection.files:
-            shard, tensors = _planned(selection, path)
+        for path, tensors in selection.tensors.items():
             prefetch = _Prefetch([(t.start, t.end) for t in tensors])
-            yield from shardread.read_shard(path, shard, tensors, prefetch.before)
+            yield from shardread.read_shard(path, selection.shards[path], tensors, prefetch.before)
             bar.update(1)
 
 
@@ -343,7 +328,7 @@ def _loader_classes() -> dict[str, type]:
             """The named checkpoint tensors, from storage (the skip's fallback)."""
             wanted = set(names)
             return lazy_filtered_iterator(
-                planning.select(plan.shards, lambda t: t.name in wanted), False
+                checkpoint.selection(plan.shards, lambda t: t.name in wanted), False
             )
 
         # -- the load ---------------------------------------------------------------------
