@@ -37,15 +37,26 @@ for _var in (
 import hostcpu  # noqa: E402
 from hybrid_draft.tools import synth  # noqa: E402 - after the environment above
 
-if os.environ.get(hostcpu.FORCE_ENV) == "1":  # this session selects as an AMX host would
-    import torch
-
-    torch.cpu._is_amx_tile_supported = lambda: True  # type: ignore[assignment]
-
 REPO = Path(__file__).resolve().parents[1]
 # The image test (scripts/image-test, run after pytest by scripts/test) is a session of its
 # own, with its own conftest: never collected here.
 collect_ignore = ["image"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _amx_when_asked() -> Iterator[None]:
+    """With ``HYBRID_DRAFT_TEST_AMX=1`` the session selects as an AMX host would."""
+    if os.environ.get(hostcpu.FORCE_ENV) != "1":
+        yield
+        return
+    with hostcpu.force_amx():
+        yield
+
+
+def pytest_report_header() -> str:
+    """The host's CPU, which vLLM's CPU code picks its kernels by (docs/testing.md)."""
+    forced = " (AMX selection forced)" if os.environ.get(hostcpu.FORCE_ENV) == "1" else ""
+    return f"host CPU: {hostcpu.describe()}{forced}"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -363,6 +374,24 @@ def rule_keeps(model_dir: Path, draft: Any) -> set[str]:
 
     names = {t.name for s in checkpoint.read_checkpoint(model_dir) for t in s.tensors}
     return {n for n in names if not draft.is_unused_checkpoint_weight(n)}
+
+
+#: A DeepSeek-V3 MTP draft's tensors vLLM replaces with the target's (never read, never held).
+REPLACED = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def draft_tensors(model_dir: Path, draft: Any, replaced: bool = False) -> dict[str, int]:
+    """The tensors a loaded DeepSeek-V3 draft's rule keeps, with sizes: those it reads itself
+    (all but :data:`REPLACED`), or with ``replaced`` the ones vLLM replaces."""
+    from hybrid_draft import checkpoint
+
+    keeps = rule_keeps(model_dir, draft)
+    return {
+        t.name: t.nbytes
+        for s in checkpoint.read_checkpoint(model_dir)
+        for t in s.tensors
+        if t.name in keeps and t.name.endswith(REPLACED) == replaced
+    }
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, Any]:

@@ -16,24 +16,23 @@ exceptions that follow from the kernels themselves (docs/testing.md):
   every load stays float32 (``check_cpu_sgl_kernel`` is false for it). On other hosts vLLM's
   own selection already gives CPU_MLA, and nothing is forced.
 
-``HYBRID_DRAFT_TEST_AMX=1`` makes ``amx()`` (and, through :func:`force_amx`, vLLM's own
-question) answer yes on any host, so an AMD or AVX2 machine checks what an AMX host selects.
+:func:`force_amx` makes vLLM's own question (and so :func:`amx`) answer yes on any host, so
+an AMD or AVX2 machine checks what an AMX host selects; ``HYBRID_DRAFT_TEST_AMX=1`` does so
+for a whole in-process test session (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+#: Set to 1: the in-process test session answers vLLM's AMX question yes (tests/conftest.py).
 FORCE_ENV = "HYBRID_DRAFT_TEST_AMX"
 
 
 def amx() -> bool:
-    """Whether vLLM's CPU code takes its AMX paths on this host (or the test forces them)."""
-    if os.environ.get(FORCE_ENV) == "1":
-        return True
+    """Whether vLLM's CPU code takes its AMX paths here: the question vLLM asks."""
     import torch
 
     return bool(torch.cpu._is_amx_tile_supported())

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO, Events, Recorder, engine_config, load_target_and_draft, rule_keeps
-from hybrid_draft import checkpoint, settings
+from conftest import REPO, Events, Recorder, draft_tensors, engine_config, load_target_and_draft
+from hybrid_draft import settings
 
 pytestmark = pytest.mark.vllm
 
@@ -32,9 +32,6 @@ CHILD = "HYBRID_DRAFT_TEST_FAULT_CHILD"
 in_child = pytest.mark.skipif(
     os.environ.get(CHILD) != "1", reason="run in a child process by test_a_shard_that_changes_*"
 )
-
-#: DeepSeek-V3's draft tensors vLLM replaces with the target's.
-REPLACED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 # --- a shard that changes under the reader (in a child process) ----------------------------
@@ -169,27 +166,6 @@ def test_a_shard_that_changes_under_the_reader_fails_the_load_and_the_process_li
 # --- one settings snapshot per draft load --------------------------------------------------
 
 
-def _own(model: Path, draft: Any) -> dict[str, int]:
-    """The draft's tensors it reads itself, with sizes (all it keeps but the replaced)."""
-    keeps = rule_keeps(model, draft)
-    return {
-        t.name: t.nbytes
-        for s in checkpoint.read_checkpoint(model)
-        for t in s.tensors
-        if t.name in keeps and not t.name.endswith(REPLACED)
-    }
-
-
-def _replaced(model: Path, draft: Any) -> dict[str, int]:
-    keeps = rule_keeps(model, draft)
-    return {
-        t.name: t.nbytes
-        for s in checkpoint.read_checkpoint(model)
-        for t in s.tensors
-        if t.name in keeps and t.name.endswith(REPLACED)
-    }
-
-
 def _counts(sizes: dict[str, int]) -> dict[str, int]:
     return {"tensors": len(sizes), "bytes": sum(sizes.values())}
 
@@ -235,7 +211,7 @@ def test_skip_replaced_turned_off_between_the_loads_is_followed(
     before = _fingerprint()
     draft = _load_with_a_change_between(deepseek, monkeypatch, HYBRID_DRAFT_SKIP_REPLACED="false")
     after = _fingerprint()
-    own, replaced = _own(deepseek, draft), _replaced(deepseek, draft)
+    own, replaced = draft_tensors(deepseek, draft), draft_tensors(deepseek, draft, replaced=True)
     assert len(replaced) == 3 and before != after
     (target,) = events.decisions("target")
     assert target["settings_fingerprint"] == before and target["one_pass"]["enabled"]
@@ -270,7 +246,7 @@ def test_skip_replaced_turned_on_between_the_loads_is_followed(
     before = _fingerprint()
     draft = _load_with_a_change_between(deepseek, monkeypatch, HYBRID_DRAFT_SKIP_REPLACED="true")
     after = _fingerprint()
-    own, replaced = _own(deepseek, draft), _replaced(deepseek, draft)
+    own, replaced = draft_tensors(deepseek, draft), draft_tensors(deepseek, draft, replaced=True)
     # The target's plan held the replaced tensors too (its settings read them).
     (target,) = events.decisions("target")
     assert target["one_pass"]["planned_tensors"] == len(own) + len(replaced)
@@ -305,7 +281,7 @@ def test_a_hold_budget_changed_between_the_loads_sends_the_draft_to_storage(
     before = _fingerprint()
     draft = _load_with_a_change_between(deepseek, monkeypatch, HYBRID_DRAFT_HOLD_BUDGET="1MiB")
     after = _fingerprint()
-    own = _own(deepseek, draft)
+    own = draft_tensors(deepseek, draft)
     decision, loaded = _draft_events(events)
     assert decision["settings_fingerprint"] == loaded["settings_fingerprint"] == after
     assert decision["settings_changed"] == {

@@ -29,9 +29,8 @@ def _attention_impls(model: object) -> set[str]:
 
 
 def test_an_amx_host_loads_mla_in_process_with_the_suites_choice(
-    deepseek: Path, instanttensor_standin: object, monkeypatch: pytest.MonkeyPatch
+    deepseek: Path, instanttensor_standin: object
 ) -> None:
-    monkeypatch.setenv(hostcpu.FORCE_ENV, "1")
     with hostcpu.force_amx():
         config = engine_config(deepseek)
         assert config.attention_config.backend.name == "CPU_MLA"

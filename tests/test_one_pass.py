@@ -17,34 +17,21 @@ import pytest
 import torch
 
 from conftest import (
+    REPLACED,
     Events,
     Recorder,
     checkpoint_tensors,
+    draft_tensors,
     engine_config,
     load_target_and_draft,
-    rule_keeps,
 )
 from hybrid_draft import checkpoint
 
 pytestmark = pytest.mark.vllm
 
-#: DeepSeek-V3's draft tensors vLLM replaces with the target's (never read, never held).
-REPLACED = ("embed_tokens.weight", "shared_head.head.weight")
-
 
 def draft_events(events: Events, name: str) -> list[dict[str, Any]]:
     return [e for e in events.named(name) if e.get("role", "draft") == "draft"]
-
-
-def own_tensors(model: Path, draft: Any) -> dict[str, int]:
-    """The draft's tensors it reads itself (all it keeps but the replaced), with sizes."""
-    keeps = rule_keeps(model, draft)
-    return {
-        t.name: t.nbytes
-        for s in checkpoint.read_checkpoint(model)
-        for t in s.tensors
-        if t.name in keeps and not t.name.endswith(REPLACED)
-    }
 
 
 def test_the_draft_takes_its_tensors_from_the_targets_stream(
@@ -58,7 +45,7 @@ def test_the_draft_takes_its_tensors_from_the_targets_stream(
 
     with hold.scope():
         loaded = load_target_and_draft(engine_config(deepseek))
-    own = own_tensors(deepseek, loaded.draft)
+    own = draft_tensors(deepseek, loaded.draft)
     # The target's pass is the one read of the checkpoint; the draft opened no shard.
     assert len(instanttensor_standin.calls) == 1
     assert filtered_reads.calls == [] and lazy_spy.calls == []

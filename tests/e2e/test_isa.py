@@ -51,9 +51,9 @@ def probed(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_the_served_dtype_on_an_amx_host_is_the_one_amx_mla_takes(monkeypatch) -> None:
-    monkeypatch.setenv(hostcpu.FORCE_ENV, "1")
-    assert hostcpu.serving_dtype() == "bfloat16"
+def test_the_served_dtype_on_an_amx_host_is_the_one_amx_mla_takes() -> None:
+    with hostcpu.force_amx():
+        assert hostcpu.serving_dtype() == "bfloat16"
 
 
 @pytest.mark.parametrize("arch", synth.CPU_SERVABLE)
