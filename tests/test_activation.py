@@ -230,7 +230,9 @@ def test_a_fault_in_the_layer_lets_vllm_load_as_asked(events) -> None:
         "layer_error",
         "error",
     )
-    assert set(patch.DECISION_FIELDS) <= decision.keys() and decision["role"] is None
+    every = {"role", "mode", "mode_source", "method", "requested_format", "chosen_format"}
+    every |= {"action", "reason", "model", "revision", "node", "rank", "settings_fingerprint"}
+    assert every <= decision.keys() and decision["role"] is None
     assert decision["detail"].startswith("AttributeError:")
 
 

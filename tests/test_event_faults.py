@@ -22,10 +22,16 @@ WRITERS = 8
 EACH = 400
 BIG = 6000  # every fourth event carries this many bytes: over a pipe's atomic write size
 
+#: An emitter that sends each event where the settings say, as the layer's own callers do
+#: (events themselves never read the settings).
+EMIT = (
+    "from hybrid_draft import events\n"
+    "from hybrid_draft.settings import process_sink\n"
+    "def emit(*args, **fields): events.emit(*args, sink=process_sink(), **fields)\n"
+)
+
 WRITER = (
-    "import sys\n"
-    "from hybrid_draft.events import emit\n"
-    "for i in range(int(sys.argv[1])):\n"
+    "import sys\n" + EMIT + "for i in range(int(sys.argv[1])):\n"
     "    emit('hybrid_draft.x', i=i, payload='y' * (int(sys.argv[2]) if i % 4 == 0 else 100))\n"
 )
 
@@ -135,8 +141,8 @@ def small_tmpfs() -> Iterator[Path]:
 
 FILLER = (
     "import os, sys\n"
-    "from hybrid_draft.events import emit\n"
-    "for i in range(30): emit('hybrid_draft.x', i=i, payload='y' * 3000)\n"
+    + EMIT
+    + "for i in range(30): emit('hybrid_draft.x', i=i, payload='y' * 3000)\n"
     "os.unlink(sys.argv[1])\n"  # space returns
     "for i in range(30, 35): emit('hybrid_draft.x', i=i, payload='y' * 3000)\n"
 )
@@ -174,7 +180,7 @@ def test_a_line_never_continues_a_fragment_another_writer_left(tmp_path: Path) -
     events_file = tmp_path / "events.jsonl"
     events_file.write_text('{"event": "hybrid_draft.x", "i": 0}\n{"event": "hybrid_dr')
     subprocess.run(
-        [sys.executable, "-c", "from hybrid_draft.events import emit\nemit('hybrid_draft.y')"],
+        [sys.executable, "-c", EMIT + "emit('hybrid_draft.y')"],
         capture_output=True,
         env=_env(events_file),
         check=True,

@@ -12,6 +12,14 @@ import pytest
 
 from hybrid_draft import events
 
+#: An emitter that sends each event where the settings say, as the layer's own callers do
+#: (events themselves never read the settings).
+EMIT = (
+    "from hybrid_draft import events\n"
+    "from hybrid_draft.settings import process_sink\n"
+    "def emit(*args, **fields): events.emit(*args, sink=process_sink(), **fields)\n"
+)
+
 
 def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -26,8 +34,7 @@ def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_one_json_object_per_line_on_stderr_and_in_the_file(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "events.jsonl"
     code = (
-        "from hybrid_draft.events import emit\n"
-        "emit('hybrid_draft.decision', role='draft', action='switched')\n"
+        EMIT + "emit('hybrid_draft.decision', role='draft', action='switched')\n"
         "emit('hybrid_draft.config_error', 'error', source='X', detail='d')\n"
     )
     out = run(code, HYBRID_DRAFT_EVENTS_FILE=str(path))
@@ -51,10 +58,7 @@ def test_one_json_object_per_line_on_stderr_and_in_the_file(tmp_path: Path) -> N
     ],
 )
 def test_level_filters_events(level: str, expected: list[str]) -> None:
-    code = (
-        "from hybrid_draft.events import emit\n"
-        "for lv in ('debug', 'info', 'warning', 'error'): emit('hybrid_draft.x', lv)\n"
-    )
+    code = EMIT + "for lv in ('debug', 'info', 'warning', 'error'): emit('hybrid_draft.x', lv)\n"
     out = run(code, HYBRID_DRAFT_LOG_LEVEL=level)
     assert [json.loads(line)["level"] for line in out.stderr.splitlines()] == expected
 
@@ -63,9 +67,7 @@ def test_structlog_and_logging_stay_unconfigured() -> None:
     code = (
         "import logging, structlog\n"
         "before = structlog.get_config()\n"
-        "handlers = list(logging.getLogger().handlers)\n"
-        "from hybrid_draft.events import emit\n"
-        "emit('hybrid_draft.x')\n"
+        "handlers = list(logging.getLogger().handlers)\n" + EMIT + "emit('hybrid_draft.x')\n"
         "assert structlog.get_config() == before, 'structlog was configured'\n"
         "assert not structlog.is_configured()\n"
         "assert logging.getLogger().handlers == handlers\n"
@@ -78,7 +80,7 @@ def test_an_unwritable_events_file_does_not_break_the_caller(tmp_path: Path) -> 
     blocker = tmp_path / "file"
     blocker.write_text("")
     out = run(
-        "from hybrid_draft.events import emit\nemit('hybrid_draft.x')\nprint('ok')",
+        EMIT + "emit('hybrid_draft.x')\nprint('ok')",
         HYBRID_DRAFT_EVENTS_FILE=str(blocker / "events.jsonl"),
     )
     assert out.stdout.strip() == "ok"
@@ -88,10 +90,7 @@ def test_an_unwritable_events_file_does_not_break_the_caller(tmp_path: Path) -> 
 
 def test_events_from_many_processes_interleave_whole(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
-    code = (
-        "from hybrid_draft.events import emit\n"
-        "for i in range(200): emit('hybrid_draft.x', payload='y' * 2000, i=i)\n"
-    )
+    code = EMIT + "for i in range(200): emit('hybrid_draft.x', payload='y' * 2000, i=i)\n"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code],
@@ -125,8 +124,7 @@ def test_an_events_file_that_is_not_a_regular_file_is_reported_once_and_never_bl
         [
             sys.executable,
             "-c",
-            "from hybrid_draft.events import emit\n"
-            "for i in range(3): emit('hybrid_draft.x', i=i)\nprint('ok')",
+            EMIT + "for i in range(3): emit('hybrid_draft.x', i=i)\nprint('ok')",
         ],
         capture_output=True,
         text=True,

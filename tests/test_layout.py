@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "layer" / "hybrid_draft"
 LAYERS = {
     "hybrid_draft": 0,
     "hybrid_draft.files": 0,
+    "hybrid_draft.records": 0,
     "hybrid_draft.settings": 1,
     "hybrid_draft.events": 2,
     "hybrid_draft.policy": 3,

@@ -290,3 +290,35 @@ def test_each_shard_header_is_read_once_per_draft(
     with hold.scope():
         load_target_and_draft(engine_config(deepseek))
     assert sorted(reads) == shards  # read once, at the target's load, for the draft
+
+
+@pytest.mark.parametrize("share", [1, 2])
+def test_the_bench_holds_what_a_served_load_holds(
+    share: int,
+    deepseek: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``hybrid-draft bench``'s one pass decides its hold by production's code: for the same
+    checkpoint and settings it holds exactly the tensors a served load's stream keeps (all
+    of them, and with a budget that fits only part)."""
+    from hybrid_draft.adapter import hold
+    from hybrid_draft.tools.bench import strategies
+
+    own = own_tensors_of_layout(deepseek)
+    monkeypatch.setenv("HYBRID_DRAFT_HOLD_BUDGET", str(sum(own.values()) // share))
+    taken: list[str] = []
+    take = hold.Hold.take
+
+    def spy(self: hold.Hold, name: str) -> Any:
+        tensor = take(self, name)
+        if tensor is not None:
+            taken.append(name)
+        return tensor
+
+    monkeypatch.setattr(hold.Hold, "take", spy)
+    with hold.scope():
+        load_target_and_draft(engine_config(deepseek))
+    assert taken and (share == 1) == (set(taken) == set(own))
+    assert strategies.held_names(str(deepseek)) == frozenset(taken)

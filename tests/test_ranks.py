@@ -246,7 +246,12 @@ def test_every_decision_and_load_says_where_and_with_which_settings(
 
 
 def test_where_says_no_rank_outside_a_distributed_group() -> None:
-    code = "from hybrid_draft.adapter import where; import json; print(json.dumps(where.fields()))"
+    code = (
+        "import json\n"
+        "from hybrid_draft import records, settings\n"
+        "from hybrid_draft.adapter import where\n"
+        "print(json.dumps(records.render(where.of(settings.load()))))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout

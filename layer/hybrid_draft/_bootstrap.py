@@ -45,10 +45,12 @@ def _say_skipped(stage: str, exc: BaseException) -> None:
     """Say on stderr that the layer failed, without ever raising (stdlib JSON fallback)."""
     try:
         from hybrid_draft.events import emit
+        from hybrid_draft.settings import process_sink
 
         emit(
             "hybrid_draft.patch_skipped",
             "warning",
+            sink=process_sink(),
             reason=f"{stage}: {exc!r}",
             vllm_version=_vllm_version(),
         )

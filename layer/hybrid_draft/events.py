@@ -306,30 +306,25 @@ def logger(level: str = "info", events_file: str | None = None) -> Any:
     )
 
 
-def emit(
-    event: str, level: str = "info", *, sink: tuple[str, str | None] | None = None, **fields: Any
-) -> None:
-    """Write one event; ``sink`` is (level, events_file), read from the settings if omitted.
+#: Where an event goes: (level, events file). The caller passes it: events never read the
+#: settings (a load passes its snapshot's, ``Settings.sink``; an event outside any load,
+#: ``settings.process_sink()``).
+Sink = tuple[str, str | None]
+
+
+def emit(event: str, level: str = "info", *, sink: Sink, **fields: Any) -> None:
+    """Write one event to ``sink``.
 
     Never raises: an event whose fields cannot be rendered is written as a plain line
     with ``event_error`` saying why, so a fault here is seen, and never fails the caller.
     """
     try:
-        if sink is None:
-            from hybrid_draft import settings
-
-            current, _ = settings.load_lenient()
-            sink = (
-                (current.level.value, current.events_file.value)
-                if current
-                else settings.event_sink()
-            )
         getattr(logger(*sink), level)(event, **fields)
     except Exception as exc:
         _fallback(event, level, sink, exc)
 
 
-def _fallback(event: str, level: str, sink: tuple[str, str | None] | None, exc: Exception) -> None:
+def _fallback(event: str, level: str, sink: Sink | None, exc: Exception) -> None:
     try:
         line = json.dumps(
             {

@@ -265,13 +265,20 @@ class DraftPlan:
             "replaced_by_target": counts(replaced),
         }
 
-    def holdable(self, budget: int) -> list[TensorInfo]:
+    def reads(self, skip: Callable[[str], bool] | None = None) -> list[TensorInfo]:
+        """The kept tensors this rank's draft reads (from a hold or storage): not the
+        replaced ones, not what ``skip`` says no to (another rank's experts), in file order."""
+        return [
+            t
+            for t in self.kept
+            if t.name not in self.replaced and not (skip is not None and skip(t.name))
+        ]
+
+    def holdable(self, budget: int, skip: Callable[[str], bool] | None = None) -> list[TensorInfo]:
         """The draft's tensors the target's pass keeps within ``budget`` bytes, in file order
         (the rest is read by the filtered path)."""
         out, total = [], 0
-        for t in self.kept:
-            if t.name in self.replaced:
-                continue
+        for t in self.reads(skip):
             if total + t.nbytes <= budget:
                 out.append(t)
                 total += t.nbytes

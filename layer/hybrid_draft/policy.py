@@ -78,6 +78,15 @@ class Request:
     model: Checkpoint | None = None
     target: Checkpoint | None = None
 
+    @property
+    def reads_target_checkpoint(self) -> bool:
+        """A draft that reads its target's own checkpoint (:func:`same_checkpoint`)."""
+        return (
+            self.model is not None
+            and self.target is not None
+            and same_checkpoint(self.model, self.target)
+        )
+
 
 @dataclass(frozen=True)
 class Decision:

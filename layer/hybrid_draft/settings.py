@@ -126,6 +126,11 @@ class Settings:
             out["carried_from"] = self.carried_from
         return out
 
+    @property
+    def sink(self) -> tuple[str, str | None]:
+        """Where this snapshot's events go: (level, events file)."""
+        return (str(self.level.value), self.events_file.value)
+
     def fingerprint(self) -> str:
         """A short hash of the values in :data:`DECISION_SETTINGS`: equal on every rank and
         host whose settings load alike, whichever source each value came from."""
@@ -438,6 +443,13 @@ def load_lenient(
         return load(environ, node=node), None
     except ConfigError as exc:
         return None, exc
+
+
+def process_sink(environ: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """Where an event outside any load goes (the layer's activation, a part switched off):
+    the settings' sink, else whatever of it is still valid. Read once by its caller."""
+    current, _ = load_lenient(environ)
+    return current.sink if current is not None else event_sink(environ)
 
 
 def event_sink(environ: Mapping[str, str] | None = None) -> tuple[str, str | None]:

@@ -23,15 +23,19 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hybrid_draft import records
 from hybrid_draft.adapter import sharing
-from hybrid_draft.events import emit
+from hybrid_draft.events import Sink, emit
 from hybrid_draft.planning import DraftPlan
 from hybrid_draft.settings import Settings
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig
 
 #: The share of the memory left after the target's weights that a hold may take.
 FREE_SHARE = 4
@@ -47,14 +51,19 @@ class Hold:
 
     plan: DraftPlan
     #: The draft this hold is for: vLLM's ``speculative_config.draft_model_config``.
-    draft_model_config: Any
+    draft_model_config: ModelConfig | None
     #: The names to keep as the stream yields them (the plan's, this rank's, in budget).
     wanted: frozenset[str]
     budget: int
-    sink: tuple[str, str | None] | None = None
+    #: Where its events go: the target's settings', then the draft's once it takes it.
+    sink: Sink
     #: The settings the target's load made this hold (and its plan) with; the draft's load
-    #: compares its own (``patch._held``).
-    settings: Settings | None = None
+    #: compares its own (``drafting.held``).
+    settings: Settings
+    #: Every tensor this rank's draft reads from it or storage (the ``one_pass`` report's
+    #: ``draft_tensors``/``draft_bytes``).
+    draft_tensors: int = 0
+    draft_bytes: int = 0
     tensors: dict[str, Any] = field(default_factory=dict)
     held_bytes: int = 0
     peak_bytes: int = 0
@@ -62,6 +71,41 @@ class Hold:
     taken_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
     released: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        plan: DraftPlan,
+        draft_model_config: ModelConfig | None,
+        budget: int,
+        skip: Callable[[str], bool],
+        current: Settings,
+    ) -> Hold:
+        """The hold for ``plan`` within ``budget``: what this rank's draft reads (not the
+        replaced tensors, not what ``skip`` says no to), in file order, while it fits."""
+        wanted = plan.reads(skip)
+        return cls(
+            plan=plan,
+            draft_model_config=draft_model_config,
+            wanted=frozenset(t.name for t in plan.holdable(budget, skip)),
+            budget=budget,
+            sink=current.sink,
+            settings=current,
+            draft_tensors=len(wanted),
+            draft_bytes=sum(t.nbytes for t in wanted),
+        )
+
+    def report(self) -> records.OnePass:
+        """The target decision's ``one_pass``: what this hold plans to keep."""
+        by_name = {t.name: t for t in self.plan.kept}
+        return records.OnePass(
+            enabled=True,
+            budget=self.budget,
+            planned_tensors=len(self.wanted),
+            planned_bytes=sum(by_name[n].nbytes for n in self.wanted),
+            draft_tensors=self.draft_tensors,
+            draft_bytes=self.draft_bytes,
+        )
 
     def offer(self, name: str, tensor: Any) -> None:
         """Called for every tensor the target's stream yields: keep the draft's."""
@@ -84,15 +128,15 @@ class Hold:
             self.taken_bytes += size
         return tensor
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> records.HoldFigures:
         """The ``one_pass`` figures of the events."""
-        return {
-            "held_tensors": self.taken + len(self.tensors),
-            "held_bytes": self.taken_bytes + self.held_bytes,
-            "peak_bytes": self.peak_bytes,
-            "budget": self.budget,
-            "held_seconds": round(time.perf_counter() - self.started, 6),
-        }
+        return records.HoldFigures(
+            held_tensors=self.taken + len(self.tensors),
+            held_bytes=self.taken_bytes + self.held_bytes,
+            peak_bytes=self.peak_bytes,
+            budget=self.budget,
+            held_seconds=round(time.perf_counter() - self.started, 6),
+        )
 
     def release(self, reason: str) -> None:
         """Drop every tensor still held (once), saying why."""
@@ -108,7 +152,7 @@ class Hold:
             reason=reason,
             released_tensors=left,
             released_bytes=left_bytes,
-            **self.summary(),
+            **records.render(self.summary()),
         )
 
 
@@ -119,7 +163,7 @@ class Scope:
     holds: list[Hold] = field(default_factory=list)
     skipped: list[sharing.Skipped] = field(default_factory=list)
 
-    def hold_for(self, draft_model_config: Any) -> Hold | None:
+    def hold_for(self, draft_model_config: ModelConfig) -> Hold | None:
         return next(
             (
                 h

@@ -41,7 +41,7 @@ import torch
 
 from hybrid_draft import checkpoint, planning, policy
 from hybrid_draft.adapter import calls, hold, shardread, sharing, stats
-from hybrid_draft.events import emit
+from hybrid_draft.events import Sink, emit
 
 #: The load formats these loaders are registered under.
 FILTERED = "safetensors_filtered"
@@ -211,7 +211,7 @@ def instanttensor_ungrouped_iterator(
                 yield name, f.get_tensor(name)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DraftRead:
     """What one draft load takes from where: its plan, the hold it draws on, what it skips.
 
@@ -220,8 +220,9 @@ class DraftRead:
     """
 
     plan: planning.DraftPlan
+    #: Where its events go (the load's settings').
+    sink: Sink
     hold: hold.Hold | None = None
-    sink: tuple[str, str | None] | None = None
     #: The draft's pipeline-parallel size and speculative method (what vLLM's
     #: replacement depends on), from the configs the load was decided with.
     pipeline_parallel_size: int = 1

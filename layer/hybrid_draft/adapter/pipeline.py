@@ -25,12 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from hybrid_draft import policy
 
+if TYPE_CHECKING:
+    from vllm.config import LoadConfig, VllmConfig
 
-def pipeline_size(vllm_config: Any) -> int:
+    from hybrid_draft.adapter.calls import Call
+
+
+def pipeline_size(vllm_config: VllmConfig) -> int:
     """The server's pipeline-parallel size: the largest of the call's parallel config, the
     target's (a standalone draft's config says 1) and vLLM's PP group, when initialised."""
     spec = getattr(vllm_config, "speculative_config", None)
@@ -43,25 +49,34 @@ def pipeline_size(vllm_config: Any) -> int:
     return max((s for s in sizes if isinstance(s, int) and not isinstance(s, bool)), default=1)
 
 
-def guard(call: Any, outcome: Any, extra: dict[str, Any]) -> None:
-    """With PP > 1, a draft that keeps InstantTensor loads without vLLM's world group.
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A draft that keeps InstantTensor under PP > 1: how it is read (the decision's
+    ``pipeline_parallel_size`` and ``process_group``)."""
 
-    ``outcome`` is the call's decided outcome (role, load format, load config); ``extra``
-    gets ``pipeline_parallel_size`` and ``process_group: "none"`` for its decision event.
-    """
-    if outcome.role != "draft" or outcome.load_format != policy.INSTANTTENSOR:
-        return
+    pipeline_parallel_size: int
+    process_group: str
+    #: The draft's load config from here (None: the call's own, vLLM's grouped read).
+    load_config: LoadConfig | None
+
+
+def route(
+    call: Call,
+    role: str,
+    load_format: str | None,
+    load_config: LoadConfig | None,
+    off: Mapping[str, str],
+) -> Route | None:
+    """With PP > 1, a draft that keeps InstantTensor loads without vLLM's world group
+    (None: nothing to route). ``off`` is the parts switched off in this process."""
+    if role != "draft" or load_format != policy.INSTANTTENSOR:
+        return None
     size = pipeline_size(call.vllm_config)
     if size <= 1:
-        return
-    from hybrid_draft.adapter import loaders, patch
+        return None
+    if "ungrouped_draft" in off:  # this vLLM's loader is not one the read knows
+        return Route(size, f"vLLM's own (part_skipped: {off['ungrouped_draft']})", load_config)
+    from hybrid_draft.adapter import loaders
 
-    if "ungrouped_draft" in patch.OFF:  # this vLLM's loader is not one the read knows
-        extra["pipeline_parallel_size"] = size
-        extra["process_group"] = f"vLLM's own (part_skipped: {patch.OFF['ungrouped_draft']})"
-        return
-
-    base = outcome.load_config if outcome.load_config is not None else call.load_config
-    outcome.load_config = dataclasses.replace(base, load_format=loaders.UNGROUPED)
-    extra["pipeline_parallel_size"] = size
-    extra["process_group"] = "none"
+    base = load_config if load_config is not None else call.load_config
+    return Route(size, "none", dataclasses.replace(base, load_format=loaders.UNGROUPED))

@@ -70,6 +70,7 @@ def _skip(target: str, reason: str) -> None:
     emit(
         "hybrid_draft.patch_skipped",
         "warning",
+        sink=settings.process_sink(),
         vllm_version=vllm_version(),
         target=target,
         reason=reason,

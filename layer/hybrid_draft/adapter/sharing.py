@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybrid_draft.events import emit
+from hybrid_draft.events import Sink, emit
 from hybrid_draft.planning import SHARED_KINDS
 
 #: The draft's parameters the proposer replaces, by kind: module paths as prefixes, with
@@ -169,7 +169,7 @@ class Skipped:
     names: dict[str, list[str]]  # kind -> skipped checkpoint tensor names
     nbytes: dict[str, int]  # kind -> their bytes
     read: Callable[[list[str]], Iterable[tuple[str, Any]]]
-    sink: tuple[str, str | None] | None = None
+    sink: Sink
     settled: bool = field(default=False)
 
     def unreplaced(self) -> dict[str, Any]:

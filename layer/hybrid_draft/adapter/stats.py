@@ -20,6 +20,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybrid_draft import records
+
 #: The shard filters of vLLM's ``default_loader`` whose dropped files are never opened.
 FILE_FILTERS = (
     "filter_safetensors_files_by_weight_name",
@@ -58,23 +60,23 @@ class LoadStats:
                 except OSError:
                     self.resolved[f] = 0
 
-    def fields(self) -> dict[str, Any]:
-        """The cost keys of ``hybrid_draft.loaded`` / ``load_failed``."""
+    def cost(self) -> records.Cost:
+        """The cost keys of ``hybrid_draft.loaded`` / ``load_failed``, as of now."""
         now = read_bytes()
         observed = bool(self.resolved) or self.tensors is not None
         opened = [f for f in self.resolved if f not in self.dropped]
-        return {
-            "seconds": round(time.perf_counter() - self.started, 6),
-            "bytes_read": (
+        return records.Cost(
+            seconds=round(time.perf_counter() - self.started, 6),
+            bytes_read=(
                 now - self.read_at_start
                 if now is not None and self.read_at_start is not None
                 else None
             ),
-            "tensors": self.tensors,
-            "shards": len(opened) if observed else None,
-            "checkpoint_shards": len(self.resolved) if observed else None,
-            "checkpoint_bytes": sum(self.resolved.values()) if observed else None,
-        }
+            tensors=self.tensors,
+            shards=len(opened) if observed else None,
+            checkpoint_shards=len(self.resolved) if observed else None,
+            checkpoint_bytes=sum(self.resolved.values()) if observed else None,
+        )
 
 
 _CURRENT: ContextVar[LoadStats | None] = ContextVar("hybrid_draft_load_stats", default=None)

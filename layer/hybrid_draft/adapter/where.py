@@ -1,18 +1,18 @@
 """Where a load happens: the host, the global rank, and the settings it decided with.
 
 Every ``hybrid_draft.decision`` and ``hybrid_draft.loaded``/``load_failed`` event carries
-:func:`fields`, so that ``hybrid-draft report`` can tell the ranks of one server apart and
-say which decided differently. The rank is read from what is already initialised (vLLM's
-world group, else ``torch.distributed``) and nothing is ever initialised or imported here:
-a process outside a distributed group has rank null.
+one :class:`~hybrid_draft.records.Where`, made once per load by :func:`of`, so that
+``hybrid-draft report`` can tell the ranks of one server apart and say which decided
+differently. The rank is read from what is already initialised (vLLM's world group, else
+``torch.distributed``) and nothing is ever initialised or imported here: a process outside
+a distributed group has rank null. Settings are never read here: the load's are passed in.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
 
-from hybrid_draft import settings
+from hybrid_draft import records, settings
 
 
 def node() -> str:
@@ -36,16 +36,15 @@ def rank() -> int | None:
     return None
 
 
-def fields(current: settings.Settings | None = None) -> dict[str, Any]:
-    """``node``, ``rank`` and ``settings_fingerprint`` (null when the settings are invalid);
-    ``settings_from`` names the Ray driver's host when its settings were carried here."""
-    if current is None:
-        current, _ = settings.load_lenient()
-    out: dict[str, Any] = {
-        "node": node(),
-        "rank": rank(),
-        "settings_fingerprint": current.fingerprint() if current is not None else None,
-    }
-    if current is not None and current.carried_from is not None:
-        out["settings_from"] = current.carried_from
-    return out
+def of(current: settings.Settings | None) -> records.Where:
+    """This process's place, with the load's settings (None: they are invalid)."""
+    return records.Where(
+        node=node(),
+        rank=rank(),
+        settings_fingerprint=current.fingerprint() if current is not None else None,
+        settings_from=(
+            current.carried_from
+            if current is not None and current.carried_from is not None
+            else records.ABSENT
+        ),
+    )

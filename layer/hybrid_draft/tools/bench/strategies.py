@@ -28,6 +28,7 @@ the draft's parameters filled from them; with the device's peak memory).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -115,8 +116,10 @@ def _draft_reader(plan: Any, load_format: str, device: str, held: Any = None) ->
 
     from vllm.config.load import LoadConfig
 
+    from hybrid_draft import settings
     from hybrid_draft.adapter import loaders
 
+    sink = settings.process_sink()
     loader = loaders._loader_classes()[load_format](
         LoadConfig(load_format=load_format, device=device, use_tqdm_on_load=False)
     )
@@ -124,7 +127,7 @@ def _draft_reader(plan: Any, load_format: str, device: str, held: Any = None) ->
     model_config = SimpleNamespace(model=str(plan.shards[0].path.parent), revision=None)
 
     def weights() -> Any:
-        read = loaders.DraftRead(plan=plan, hold=held() if callable(held) else held)
+        read = loaders.DraftRead(plan=plan, sink=sink, hold=held() if callable(held) else held)
         read.skipped = dict(plan.replaced)
         read.sources = {k: {"tensors": 0, "bytes": 0} for k in ("storage", "stream")}
         loader.draft = read
@@ -197,43 +200,94 @@ def stream_whole_shards(files: list[str], *_args: Any, **_kwargs: Any) -> Any:
             yield name, tensor.view(meta["shape"]).clone()
 
 
+def served_configs(model_dir: str) -> Any:
+    """The real vLLM configs of serving ``model_dir`` with InstantTensor and its MTP draft,
+    in a one-process world (as a served load has): what the one-pass strategy decides by."""
+    import tempfile
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+        parallel_state,
+    )
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(
+        model=model_dir,
+        load_format="instanttensor",
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        enforce_eager=True,
+        dtype="float32",
+    ).create_engine_config()
+    if parallel_state._WORLD is None:
+        with set_current_vllm_config(VllmConfig()):
+            init = f"file://{tempfile.mkdtemp(prefix='hybrid-draft-bench-')}/dist-init"
+            init_distributed_environment(1, 0, init, 0, "gloo")
+            ensure_model_parallel_initialized(1, 1)
+    return config
+
+
+def target_load(config: Any) -> Any:
+    """The target's load as a served one decides it, inside a load scope: its
+    ``adapter.load.Load`` (the tap on it: ``.tap``), by production's own code."""
+    from hybrid_draft import settings
+    from hybrid_draft.adapter import calls, load
+
+    call = calls.Call.resolve(config)
+    return load.decide(call, call.request(), settings.load())
+
+
+def held_names(model_dir: str) -> frozenset[str]:
+    """The tensors a served load's target stream keeps for its draft (this rank's)."""
+    from vllm.config import set_current_vllm_config
+
+    from hybrid_draft.adapter import hold
+
+    config = served_configs(model_dir)
+    with set_current_vllm_config(config), hold.scope():
+        tap = target_load(config).tap
+        return tap.wanted if tap is not None else frozenset()
+
+
 def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
     """The target's pass with the product's tap, then the draft's load from the hold; and
-    the same target pass untapped, alternating, every run cold."""
+    the same target pass untapped, alternating, every run cold. The tap (what it holds,
+    its budget with the free-memory cap, the expert filter) is decided by production's
+    code on the real vLLM configs of serving this checkpoint."""
     from types import SimpleNamespace
 
     import vllm.model_executor.model_loader.default_loader as default_loader
+    from vllm.config import set_current_vllm_config
     from vllm.config.load import LoadConfig
 
-    from hybrid_draft import settings
-    from hybrid_draft.adapter import hold, loaders, patch
+    from hybrid_draft.adapter import hold, loaders
+    from hybrid_draft.adapter import load as loads
 
     plan = _plan(spec)
     # The one stand-in: vLLM's InstantTensor read, which needs CUDA.
     setattr(default_loader, "instanttensor_weights_iterator", stream_whole_shards)  # noqa: B010
+    config = served_configs(spec["model_dir"])
     target = default_loader.DefaultModelLoader(
         LoadConfig(load_format="instanttensor", device="cpu", use_tqdm_on_load=False)
     )
     target_model: Any = SimpleNamespace()  # the target reads every tensor
     model_config: Any = SimpleNamespace(model=spec["model_dir"], revision=None)
     own = [t for t in plan.kept if t.name not in plan.replaced]
-    budget = settings.DEFAULT_HOLD_BUDGET
-    wanted = frozenset(t.name for t in plan.holdable(budget))
     current: list[Any] = [None]
     draft = _draft_reader(plan, loaders.FILTERED, "cpu", held=lambda: current[0])
     buffers = _buffers(spec, "cpu", {t.name for t in own})
     files = spec["files_all"]
 
-    def target_pass(tap: bool) -> tuple[float, int, Any]:
-        held = hold.Hold(plan, None, wanted, budget) if tap else None
-        token = patch._LOAD.set(patch.Load(role="target", tap=held))
-        before, start = pagecache.read_bytes(), time.perf_counter()
-        try:
+    def target_pass(decided: Any) -> float:
+        """One target pass, tapped when ``decided`` (its load) holds for the draft."""
+        start = time.perf_counter()
+        with loads.loading(decided) if decided is not None else contextlib.nullcontext():
             for _ in target.get_all_weights(model_config, target_model):
                 pass
-        finally:
-            patch._LOAD.reset(token)
-        return time.perf_counter() - start, pagecache.read_bytes() - before, held
+        return time.perf_counter() - start
 
     out: dict[str, Any] = {
         "seconds": [],
@@ -248,25 +302,29 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
     # One untimed pass first: a process's first pass also pays its one-time costs (code
     # paths, the allocator's growth), which would fall on whichever side ran first.
     pagecache.evict(files)
-    out["warmup_seconds"] = target_pass(False)[0]
+    out["warmup_seconds"] = target_pass(None)
     for i in range(spec["runs"]):
         for tapped in (i % 2 == 0, i % 2 != 0):
             out["cold"].append(pagecache.evict(files) == 0)
-            seconds, _, held = target_pass(tapped)
             if not tapped:
-                out["untapped_target_seconds"].append(seconds)
+                out["untapped_target_seconds"].append(target_pass(None))
                 continue
-            out["target_seconds"].append(seconds)
-            out["held_bytes"].append(held.peak_bytes)
-            current[0] = held
-            before, start = pagecache.read_bytes(), time.perf_counter()
-            for name, tensor in draft():
-                buffers[name].copy_(tensor)
-            out["seconds"].append(time.perf_counter() - start)
-            out["bytes_read"].append(pagecache.read_bytes() - before)
-            out["resident_bytes"].append(pagecache.resident_bytes(files))
-            held.release("the bench's draft load ended")
-            current[0] = None
+            with set_current_vllm_config(config), hold.scope():
+                decided = target_load(config)
+                held = decided.tap
+                if held is None:
+                    raise RuntimeError(f"the target's load holds nothing: {decided.target}")
+                out["target_seconds"].append(target_pass(decided))
+                out["held_bytes"].append(held.peak_bytes)
+                current[0] = held
+                before, start = pagecache.read_bytes(), time.perf_counter()
+                for name, tensor in draft():
+                    buffers[name].copy_(tensor)
+                out["seconds"].append(time.perf_counter() - start)
+                out["bytes_read"].append(pagecache.read_bytes() - before)
+                out["resident_bytes"].append(pagecache.resident_bytes(files))
+                held.release("the bench's draft load ended")
+                current[0] = None
     out["peak_rss"] = pagecache.peak_rss()
     out["ran"] = "tap + safetensors_filtered"
     return out

@@ -1,0 +1,200 @@
+"""A draft load's decision: the policy's answer, checked against the draft's plan, and how
+the draft is read (:func:`draft`).
+
+The policy (``hybrid_draft.policy``) says whether a draft switches format; here that is
+checked against what can really be done for this draft on this vLLM (its checkpoint-weight
+rule, its plan, the parts switched off), and the outcome is one frozen :class:`Draft`:
+the decision as it stands, the load config the draft loads with, the read the layer's
+loaders follow, and the draft's keys of the decision event. Nothing here emits an event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hybrid_draft import policy, records, settings
+from hybrid_draft.adapter import calls, hold, loaders
+from hybrid_draft.planning import DraftPlan
+from hybrid_draft.records import ABSENT, Opt
+
+if TYPE_CHECKING:
+    from vllm.config import LoadConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Draft:
+    """One draft load as decided."""
+
+    decision: policy.Decision
+    #: The draft's replacement load config; None keeps the call's.
+    load_config: LoadConfig | None
+    #: The draft read by this layer's loaders (its plan, hold and sources); None: vLLM's
+    #: own path reads it.
+    read: loaders.DraftRead | None
+    #: The hold the target's load made for this draft, as far as the draft's settings
+    #: allow it (released otherwise).
+    hold: hold.Hold | None
+    pruning_rule: str | None
+    rule_error: Opt[str] = ABSENT
+    settings_changed: Opt[records.SettingsChanged] = ABSENT
+    plan_error: Opt[str] = ABSENT
+    warnings: Opt[list[dict[str, str]] | None] = ABSENT
+    selection: Opt[Mapping[str, int]] = ABSENT
+    #: Where the plan takes the draft's tensors from (a draft read by its plan).
+    sources: Opt[records.Sources] = ABSENT
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the target's load left for this draft: the hold, the plan it holds, and how
+    the draft's own settings differ from the ones they were made with."""
+
+    hold: hold.Hold | None = None
+    plan: DraftPlan | None = None
+    changed: tuple[str, ...] = ()
+    target_settings_fingerprint: str | None = None
+    replanned: bool = False
+    released: bool = False
+
+    def report(self, reads_by_plan: bool) -> Opt[records.SettingsChanged]:
+        if not self.changed or self.target_settings_fingerprint is None:
+            return ABSENT
+        stream = "released" if self.released else ("taken" if reads_by_plan else "unused")
+        return records.SettingsChanged(
+            target_settings_fingerprint=self.target_settings_fingerprint,
+            changed=self.changed,
+            plan="replanned" if self.replanned else "held",
+            stream=stream,
+        )
+
+
+def held(call: calls.Call, current: settings.Settings, scope: hold.Scope | None) -> Held:
+    """The hold the target's load made for this draft and the plan it holds, as far as the
+    draft's own settings allow them: settings that changed between the two loads (a config
+    file replaced) are followed, never the target's. A changed ``skip_replaced`` makes the
+    held plan another draft's: the draft plans anew. A changed ``hold_budget`` sized the
+    hold by other settings: it is released and the draft reads from storage."""
+    found = scope.hold_for(call.model_config) if scope is not None else None
+    if found is None:
+        return Held()
+    found.sink = current.sink  # the draft's from here on
+    changed = tuple(
+        name
+        for name in settings.DECISION_SETTINGS
+        if getattr(found.settings, name).value != getattr(current, name).value
+    )
+    if not changed:
+        return Held(found, found.plan)
+    replanned = "skip_replaced" in changed
+    released = "hold_budget" in changed
+    if released:
+        found.release(
+            "the settings changed between the target's load and the draft's (hold_budget): "
+            "the draft reads from storage"
+        )
+    return Held(
+        hold=None if released else found,
+        plan=None if replanned else found.plan,
+        changed=changed,
+        target_settings_fingerprint=found.settings.fingerprint(),
+        replanned=replanned,
+        released=released,
+    )
+
+
+def draft(
+    call: calls.Call,
+    request: policy.Request,
+    decision: policy.Decision,
+    current: settings.Settings,
+    scope: hold.Scope | None,
+    off: Mapping[str, str],
+) -> Draft:
+    """Decide a draft's load: its plan, whether the layer's loaders read it, its config."""
+    from hybrid_draft.adapter import draftplan, drafts, rules
+
+    rule_error: Opt[str] = ABSENT
+    try:
+        pruning_rule: str | None = rules.install(drafts.draft_class(call.model_config))
+    except Exception as exc:  # vLLM's own load will report a class it cannot resolve
+        pruning_rule, rule_error = None, f"{type(exc).__name__}: {exc}"
+    same = request.reads_target_checkpoint
+    found = held(call, current, scope)
+    plan = found.plan if same or decision.switched else None
+    plan_error: Opt[str] = ABSENT
+    if plan is None and (same or decision.switched):
+        try:
+            plan = draftplan.for_call(call, bool(current.skip_replaced.value))
+        except Exception as exc:  # reported, and the draft loads on vLLM's own lazy path
+            plan_error = f"{type(exc).__name__}: {exc}"
+    warnings: Opt[list[dict[str, str]] | None] = ABSENT
+    if same:  # null when planning failed: unknown, not "nothing to say"
+        warnings = plan.warnings() if plan is not None else (None if plan_error else [])
+    selection: Opt[Mapping[str, int]] = ABSENT
+    if decision.reason == "selective":
+        blocker = (
+            (
+                "planning_failed",
+                plan_error if isinstance(plan_error, str) else "no safetensors shards to plan",
+            )
+            if plan is None
+            else plan.selective_blocker
+        )
+        if blocker:
+            decision = policy.fall_back(decision, *blocker)
+        else:
+            assert plan is not None
+            selection = plan.selection().summary()
+    ours = plan is not None and plan.is_unused is not None and "draft_loaders" not in off
+    load_config: LoadConfig | None = None
+    reads = False
+    if decision.switched:
+        if not ours:  # vLLM's own lazy path (a selective draft too: its loader is ours)
+            load_config = calls.lazy_load_config(call.load_config)
+            if decision.chosen_format != policy.SAFETENSORS:
+                decision = policy.fall_back(
+                    decision,
+                    "part_skipped" if "draft_loaders" in off else "planning_failed",
+                    off.get("draft_loaders", "the draft has no plan to load by"),
+                )
+        else:
+            fmt = (
+                loaders.FILTERED
+                if decision.chosen_format == policy.SAFETENSORS
+                else decision.chosen_format
+            )
+            load_config = calls.loader_load_config(call.load_config, fmt)
+            reads = True
+    elif request.requested_format in (loaders.FILTERED, loaders.SELECTIVE):
+        # The user's own draft_load_config names one of ours; a plan-less draft is read
+        # by vLLM's own lazy path.
+        reads = ours
+    read = None
+    if reads:
+        assert plan is not None  # (its load format was registered when get_model was wrapped)
+        read = loaders.DraftRead(
+            plan=plan,
+            hold=found.hold,
+            sink=current.sink,
+            pipeline_parallel_size=call.vllm_config.parallel_config.pipeline_parallel_size,
+            method=request.method,
+        )
+    return Draft(
+        decision=decision,
+        load_config=load_config,
+        read=read,
+        hold=found.hold,
+        pruning_rule=pruning_rule,
+        rule_error=rule_error,
+        settings_changed=found.report(read is not None),
+        plan_error=plan_error,
+        warnings=warnings,
+        selection=selection,
+        sources=(
+            read.plan.sources(set(found.hold.tensors) if found.hold is not None else ())
+            if read is not None
+            else ABSENT
+        ),
+    )

@@ -1,0 +1,333 @@
+"""One model load as one typed object (:class:`Load`), and its run (:func:`run`).
+
+Every model load is one :func:`run`: resolve the call, read the settings once (the load's
+snapshot: everything after follows it), decide (:func:`decide`: the policy, then the
+target's one pass or the draft's plan and read, then the pipeline route), emit exactly one
+``hybrid_draft.decision`` rendered from the :class:`Load`, load, then emit
+``hybrid_draft.loaded``, or ``hybrid_draft.load_failed`` before the exception propagates
+unchanged. The events' keys are the fields of ``hybrid_draft.records``' types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hybrid_draft import policy, records, settings
+from hybrid_draft.adapter import calls, drafting, hold, loaders, onepass, pipeline, stats, vllm_api
+from hybrid_draft.adapter import where as places
+from hybrid_draft.events import Sink, emit
+from hybrid_draft.records import ABSENT
+
+if TYPE_CHECKING:
+    from vllm.config import LoadConfig
+
+SWITCH_MESSAGE = {
+    policy.SAFETENSORS: "Hybrid draft loading: using lazy safetensors for speculative draft "
+    "weights while preserving InstantTensor for the target model",
+    policy.SELECTIVE_FORMAT: "Hybrid draft loading: streaming only the speculative draft's "
+    "tensors with InstantTensor while preserving InstantTensor for "
+    "the target model",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Load:
+    """One model load: what was asked, the settings it was decided with, what was decided,
+    and how it is read. Its two events are rendered from it (:meth:`decision_record`,
+    :meth:`loaded_record`)."""
+
+    #: The call as the policy sees it (None: the layer could not read the call).
+    request: policy.Request | None
+    #: The settings the load was decided with: its one snapshot (None: they are invalid).
+    snapshot: settings.Settings | None
+    where: records.Where
+    #: The policy's decision as it stands after the plan's say (None: a layer fault).
+    decision: policy.Decision | None = None
+    #: A target's one pass.
+    target: onepass.Tap | None = None
+    #: A draft's plan, read and hold.
+    draft: drafting.Draft | None = None
+    #: A draft that keeps InstantTensor under pipeline parallelism.
+    route: pipeline.Route | None = None
+    #: Why the layer could not decide (``reason: layer_error``), letting vLLM load as asked.
+    fault: str | None = None
+
+    @property
+    def sink(self) -> Sink:
+        return self.snapshot.sink if self.snapshot is not None else settings.event_sink()
+
+    @property
+    def role(self) -> str | None:
+        return self.request.role if self.request is not None else None
+
+    @property
+    def model(self) -> str | None:
+        model = self.request.model if self.request is not None else None
+        return model.model if model is not None else None
+
+    @property
+    def load_config(self) -> LoadConfig | None:
+        """The load config the load uses instead of the call's (None: the call's)."""
+        if self.route is not None:
+            return self.route.load_config
+        return self.draft.load_config if self.draft is not None else None
+
+    @property
+    def load_format(self) -> str | None:
+        if self.decision is not None and self.decision.switched:
+            return self.decision.chosen_format
+        return self.request.requested_format if self.request is not None else None
+
+    @property
+    def read(self) -> loaders.DraftRead | None:
+        return self.draft.read if self.draft is not None else None
+
+    @property
+    def tap(self) -> hold.Hold | None:
+        return self.target.hold if self.target is not None else None
+
+    def decision_record(self) -> records.Decision:
+        """``hybrid_draft.decision``."""
+        request, decision, current = self.request, self.decision, self.snapshot
+        if decision is None or request is None or current is None:
+            return records.Decision(
+                role=self.role,
+                mode=None,
+                mode_source=None,
+                method=None,
+                requested_format=None,
+                chosen_format=None,
+                action="kept",
+                reason="layer_error",
+                detail=self.fault or "the layer could not decide this load",
+                model=self.model,
+                revision=None,
+                where=self.where,
+            )
+        model, target = request.model, request.target
+        draft, route = self.draft, self.route
+        selection: Mapping[str, int] = (
+            draft.selection
+            if draft is not None and not isinstance(draft.selection, records.Absent)
+            else {}
+        )
+        return records.Decision(
+            role=request.role,
+            mode=str(current.mode.value),
+            mode_source=current.mode.source,
+            method=request.method,
+            requested_format=decision.requested_format,
+            chosen_format=decision.chosen_format,
+            action=decision.action,
+            reason=decision.reason,
+            detail=decision.detail or ABSENT,
+            fallback=decision.fallback or ABSENT,
+            model=model.model if model is not None else None,
+            revision=model.revision if model is not None else None,
+            target_model=target.model if target is not None else ABSENT,
+            target_revision=target.revision if target is not None else ABSENT,
+            one_pass=self.target.report if self.target is not None else ABSENT,
+            pruning_rule=draft.pruning_rule if draft is not None else ABSENT,
+            rule_error=draft.rule_error if draft is not None else ABSENT,
+            settings_changed=draft.settings_changed if draft is not None else ABSENT,
+            plan_error=draft.plan_error if draft is not None else ABSENT,
+            warnings=draft.warnings if draft is not None else ABSENT,
+            planned_shards=selection.get("planned_shards", ABSENT),
+            planned_tensors=selection.get("planned_tensors", ABSENT),
+            planned_bytes=selection.get("planned_bytes", ABSENT),
+            tensor_filter=draft.read is not None if draft is not None else ABSENT,
+            sources=draft.sources if draft is not None else ABSENT,
+            pipeline_parallel_size=route.pipeline_parallel_size if route else ABSENT,
+            process_group=route.process_group if route else ABSENT,
+            where=self.where,
+        )
+
+    def loaded_record(self, cost: records.Cost, exc: BaseException | None) -> records.Loaded:
+        """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised ``exc``."""
+        read, tap = self.read, self.tap
+        figures: records.HoldFigures | records.Absent = ABSENT
+        if tap is not None:
+            figures = tap.summary()
+        if read is not None and read.hold is not None:
+            figures = read.hold.summary()
+        return records.Loaded(
+            role=self.role,
+            model=self.model,
+            load_format=self.load_format,
+            tensor_filter=read is not None,
+            cost=cost,
+            where=self.where,
+            sources=read.sources if read is not None and read.sources else ABSENT,
+            one_pass=figures,
+            error_type=type(exc).__name__ if exc is not None else ABSENT,
+            error=str(exc) if exc is not None else ABSENT,
+        )
+
+
+_CURRENT: ContextVar[Load | None] = ContextVar("hybrid_draft_load", default=None)
+
+
+def current() -> Load | None:
+    """The load in progress in this context, if any."""
+    return _CURRENT.get()
+
+
+def observer() -> Callable[[str, Any], None] | None:
+    """For the tensors a ``DefaultModelLoader`` is about to yield to a model: the target's
+    tap (it keeps the draft's), or None."""
+    load = _CURRENT.get()
+    tap = load.tap if load is not None else None
+    return tap.offer if tap is not None else None
+
+
+def read_settings() -> settings.Settings:
+    """The load's one settings snapshot; an invalid setting is reported and stops it."""
+    try:
+        return settings.load()
+    except settings.ConfigError as exc:
+        emit(
+            "hybrid_draft.config_error",
+            "error",
+            sink=settings.event_sink(),
+            source=exc.source,
+            detail=exc.detail,
+        )
+        raise
+
+
+def decide(call: calls.Call, request: policy.Request, current: settings.Settings) -> Load:
+    """Decide one load with its settings snapshot."""
+    decision = policy.decide(request, str(current.mode.value))
+    off = vllm_api.capabilities().off
+    scope = hold.current()
+    target = draft = None
+    if request.role == "target":
+        try:
+            target = onepass.tap(call, current, scope)
+        except Exception as exc:  # no one pass then; the target loads as asked
+            target = onepass.Tap(
+                None,
+                records.OnePass(
+                    enabled=False, reason="layer_error", detail=f"{type(exc).__name__}: {exc}"
+                ),
+            )
+    else:
+        draft = drafting.draft(call, request, decision, current, scope, off)
+        decision = draft.decision
+    fmt = decision.chosen_format if decision.switched else request.requested_format
+    load_config = draft.load_config if draft is not None else None
+    return Load(
+        request=request,
+        snapshot=current,
+        where=places.of(current),
+        decision=decision,
+        target=target,
+        draft=draft,
+        route=pipeline.route(call, request.role, fmt, load_config, off),
+    )
+
+
+def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None], Any]) -> Any:
+    """One load: decide, emit the decision, load, emit what it cost."""
+    with stats.measuring() as cost:
+        request: policy.Request | None = None
+        fault: BaseException | None = None
+        try:
+            call = resolve()
+            request = call.request()
+        except Exception as exc:
+            fault = exc
+        try:
+            current = read_settings()
+        except settings.ConfigError as exc:
+            _finish(Load(request=request, snapshot=None, where=places.of(None)), cost, exc)
+            raise  # an invalid setting stops the load
+        try:
+            if fault is not None:
+                raise fault
+            assert request is not None
+            load = decide(call, request, current)
+        except Exception as exc:
+            # A fault of the layer's own must not fail a load vLLM would have done:
+            # report it and let vLLM load exactly as asked.
+            load = Load(
+                request=request,
+                snapshot=current,
+                where=places.of(current),
+                fault=f"{type(exc).__name__}: {exc}",
+            )
+            emit(
+                "hybrid_draft.decision",
+                "error",
+                sink=load.sink,
+                **records.render(load.decision_record()),
+            )
+        else:
+            _emit_decision(load)
+        token = _CURRENT.set(load)
+        try:
+            with loaders.reading(load.read):
+                model = proceed(load.load_config)
+        except BaseException as exc:
+            _finish(load, cost, exc)
+            raise
+        finally:
+            _CURRENT.reset(token)
+        _finish(load, cost, None)
+    return model
+
+
+def _emit_decision(load: Load) -> None:
+    emit("hybrid_draft.decision", sink=load.sink, **records.render(load.decision_record()))
+    decision = load.decision
+    if decision is not None and decision.switched:
+        from vllm.logger import init_logger
+
+        init_logger("vllm.hybrid_draft").info(SWITCH_MESSAGE[decision.chosen_format])
+
+
+def _finish(load: Load, cost: stats.LoadStats, exc: BaseException | None) -> None:
+    """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised; a fault here is
+    reported as ``hybrid_draft.layer_error``, never raised over the load's own outcome."""
+    try:
+        record = load.loaded_record(cost.cost(), exc)
+        if exc is None:
+            emit("hybrid_draft.loaded", sink=load.sink, **records.render(record))
+        else:
+            emit("hybrid_draft.load_failed", "error", sink=load.sink, **records.render(record))
+    except Exception as fault:
+        layer_error("the load's event", fault, load.sink)
+    finally:
+        tap = load.tap
+        if tap is not None and exc is not None:
+            tap.release("the target's load failed")
+        scope = hold.current()
+        if load.role == "draft" and scope is not None:
+            scope.release("the draft's load ended" if exc is None else "the draft's load failed")
+
+
+def layer_error(what: str, exc: BaseException, sink: Sink) -> None:
+    """Report a fault of the layer's own that it worked around (never raises)."""
+    with contextlib.suppress(Exception):
+        emit(
+            "hybrid_draft.layer_error",
+            "error",
+            sink=sink,
+            where=what,
+            error_type=type(exc).__name__,
+            error=str(exc),
+        )
+
+
+@contextlib.contextmanager
+def loading(load: Load) -> Iterator[None]:
+    """``load`` as the current one (the bench's target pass, a test's)."""
+    token = _CURRENT.set(load)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)

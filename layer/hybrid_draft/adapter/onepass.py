@@ -1,0 +1,85 @@
+"""The target's side of one pass: whether its InstantTensor stream keeps the draft's
+tensors, and which (:func:`tap`).
+
+Served loads and ``hybrid-draft bench``'s ``one_pass`` strategy both call :func:`tap` on
+real vLLM configs, so the bench holds what a served load holds: the draft's plan, less
+the tensors vLLM replaces and other ranks' experts (:func:`expert_filter`, vLLM's own
+code), within the budget :func:`budget` sets (``hold_budget``, capped by the memory the
+target leaves free).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hybrid_draft import policy, records, settings
+from hybrid_draft.adapter import calls, draftplan, hold, vllm_api
+from hybrid_draft.planning import DraftPlan
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Tap:
+    """A target load's one-pass plan: the hold its stream fills (None: no one pass) and the
+    decision's ``one_pass`` saying why."""
+
+    hold: hold.Hold | None
+    report: records.OnePass
+
+
+def _off(reason: str, detail: str | None = None) -> Tap:
+    return Tap(None, records.OnePass(enabled=False, reason=reason, detail=detail or records.ABSENT))
+
+
+def tap(call: calls.Call, current: settings.Settings, scope: hold.Scope | None) -> Tap:
+    """The target's one pass, or why there is none; the hold joins ``scope``."""
+    setting = int(current.hold_budget.value)
+    if setting <= 0:
+        return _off("hold_budget_zero")
+    capabilities = vllm_api.capabilities()
+    for part in ("one_pass", "draft_loaders"):
+        if part in capabilities.off:
+            return _off("part_skipped", capabilities.off[part])
+    if call.request().requested_format != policy.INSTANTTENSOR:
+        return _off("not_instanttensor")
+    if scope is None:
+        return _off("no_load_scope", "the target was not loaded by a model runner's load_model")
+    spec = call.speculative_config
+    draft_config = getattr(spec, "draft_model_config", None)
+    if draft_config is None or draft_config is getattr(spec, "target_model_config", None):
+        return _off("no_draft_model")
+    if not vllm_api.is_last_pp_rank():
+        return _off("not_last_pp_rank", "the draft is built on the last pipeline stage only")
+    draft_call = calls.Call.resolve(
+        call.vllm_config, draft_config, vllm_api.draft_load_config(call.vllm_config)
+    )
+    draft_request = draft_call.request()
+    draft_decision = policy.decide(draft_request, str(current.mode.value))
+    if not draft_decision.switched or not draft_request.reads_target_checkpoint:
+        return _off("draft_not_switched", f"the draft's decision: {draft_decision.reason}")
+    plan = draftplan.for_call(draft_call, bool(current.skip_replaced.value))
+    if plan is None or plan.is_unused is None or not plan.kept:
+        return _off("no_plan", "the draft has no checkpoint-weight rule or keeps nothing")
+    tp = max(1, call.vllm_config.parallel_config.tensor_parallel_size)
+    limit = budget(setting, plan, draftplan.device_of(call), tp)
+    made = hold.Hold.of(plan, draft_config, limit, expert_filter(draft_call), current)
+    scope.holds.append(made)
+    return Tap(made, made.report())
+
+
+def budget(setting: int, plan: DraftPlan, device: object, tensor_parallel_size: int) -> int:
+    """Bytes one hold may take: the setting, capped at a quarter of what the target's share
+    of the checkpoint leaves free on ``device``."""
+    target_bytes = plan.all_bytes // max(1, tensor_parallel_size)
+    return hold.effective_budget(setting, hold.free_memory(device), target_bytes)
+
+
+def expert_filter(draft_call: calls.Call) -> Callable[[str], bool]:
+    """Whether the draft's load on this rank skips a name (another rank's expert), by the
+    very vLLM code its loader will run."""
+    config: ModelConfig = draft_call.model_config
+    return vllm_api.expert_filter(calls.lazy_load_config(draft_call.load_config), config)
