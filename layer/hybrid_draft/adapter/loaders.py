@@ -47,7 +47,6 @@ from hybrid_draft.events import Sink, emit
 FILTERED = "safetensors_filtered"
 SELECTIVE = policy.SELECTIVE_FORMAT
 UNGROUPED = "instanttensor_ungrouped"
-_REGISTERED: set[str] = set()
 
 Weights = Generator[tuple[str, torch.Tensor], None, None]
 
@@ -511,11 +510,10 @@ def _loader_classes() -> dict[str, type]:
     }
 
 
+@functools.cache
 def register(load_format: str) -> None:
-    """Register one of this layer's loaders with vLLM, once per process."""
-    if load_format in _REGISTERED:
-        return
+    """Register one of this layer's loaders with vLLM, once per process (a failed
+    registration raises, and is not remembered)."""
     from vllm.model_executor.model_loader import register_model_loader
 
     register_model_loader(load_format)(_loader_classes()[load_format])
-    _REGISTERED.add(load_format)
