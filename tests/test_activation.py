@@ -264,7 +264,7 @@ def test_a_vllm_without_a_private_name_keeps_the_draft_on_its_own_path(
     finally:
         monkeypatch.undo()
         patch.check_parts()
-    assert patch.OFF == {}
+    assert not patch.installed().capabilities.off
     (draft,) = [e for e in events.decisions() if e["role"] == "draft"]
     assert (draft["action"], draft["chosen_format"], draft["tensor_filter"]) == (
         "switched",

@@ -40,24 +40,26 @@ from typing import Any
 import torch
 
 from hybrid_draft import checkpoint, planning, policy
-from hybrid_draft.adapter import calls, hold, shardread, sharing, stats
+from hybrid_draft.adapter import calls, hold, internals, shardread, sharing, stats
 from hybrid_draft.events import emit
 
 #: The load formats these loaders are registered under.
 FILTERED = "safetensors_filtered"
 SELECTIVE = policy.SELECTIVE_FORMAT
 UNGROUPED = "instanttensor_ungrouped"
-_REGISTERED: set[str] = set()
 
 Weights = Generator[tuple[str, torch.Tensor], None, None]
 
 
 def _tqdm(total: int, desc: str, use_tqdm: bool, **kwargs: Any) -> Any:
     from tqdm.auto import tqdm
-    from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
     return tqdm(
-        total=total, desc=desc, mininterval=1.0, disable=not enable_tqdm(use_tqdm), **kwargs
+        total=total,
+        desc=desc,
+        mininterval=1.0,
+        disable=not internals.enable_tqdm(use_tqdm),
+        **kwargs,
     )
 
 
@@ -161,10 +163,9 @@ def instanttensor_ungrouped_iterator(
     """
     import instanttensor
     from safetensors import safe_open
-    from vllm.model_executor.model_loader import weight_utils
-    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
-    engram = getattr(weight_utils, "_ENGRAM_WEIGHT_RE", None)
+    should_skip_weight = internals.should_skip_weight
+    engram = internals.engram_pattern()
     gpu_names: list[str] = []
     cpu_weights: dict[str, list[str]] = {}
     for path in files:
@@ -254,7 +255,8 @@ def _add(counts: dict[str, int], tensor: Any) -> None:
 def _loader_classes() -> dict[str, type]:
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+
+    should_skip_weight = internals.should_skip_weight
 
     class PlannedDraftLoader(DefaultModelLoader):
         """``DefaultModelLoader`` whose primary weights are read by the draft's plan."""
@@ -469,7 +471,8 @@ def _loader_classes() -> dict[str, type]:
             # The steps of vLLM's _get_weights_iterator before its InstantTensor read,
             # through default_loader's names (the layer's load figures see them there).
             default_loader = sys.modules[DefaultModelLoader.__module__]
-            folder, files, use_safetensors, index_file = self._prepare_weights(
+            folder, files, use_safetensors, index_file = internals.prepare_weights(
+                self,
                 source.model_or_path,
                 source.subfolder,
                 source.revision,
@@ -510,11 +513,8 @@ def _loader_classes() -> dict[str, type]:
     }
 
 
+@functools.cache
 def register(load_format: str) -> None:
-    """Register one of this layer's loaders with vLLM, once per process."""
-    if load_format in _REGISTERED:
-        return
-    from vllm.model_executor.model_loader import register_model_loader
-
-    register_model_loader(load_format)(_loader_classes()[load_format])
-    _REGISTERED.add(load_format)
+    """Register one of this layer's loaders with vLLM, once per process (a failure is
+    not remembered: the next call tries again)."""
+    internals.register_model_loader(load_format, _loader_classes()[load_format])

@@ -3,10 +3,10 @@
 :func:`on_model_loader` runs right after vLLM's model-loader package executes (the
 bootstrap's post-import hook). If ``get_model`` has a shape this layer understands it is
 replaced by a wrapper with the same signature and metadata; otherwise nothing is touched
-and a ``hybrid_draft.patch_skipped`` event says why. Every private vLLM name the layer's
-parts rely on is checked there too (:data:`PARTS`): a part whose names are missing is
-switched off with a ``hybrid_draft.part_skipped`` event naming them, and its drafts load
-on vLLM's own path.
+and a ``hybrid_draft.patch_skipped`` event says why. Then :func:`installed` takes
+``internals``' probe of every private vLLM name the layer's parts rely on: a part whose
+names are missing or of another shape is switched off with a ``hybrid_draft.part_skipped``
+event naming them (and the shapes found), and its drafts load on vLLM's own path.
 
 Every model load is one :func:`run`: read the settings, ask the policy, emit exactly one
 ``hybrid_draft.decision``, load (the draft with its switched load config, the target as
@@ -25,19 +25,16 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
+from types import ModuleType
 from typing import Any
 
 from hybrid_draft import __version__, policy, settings
-from hybrid_draft.adapter import calls, hold, pipeline, stats, where
+from hybrid_draft.adapter import calls, hold, internals, pipeline, stats, where
+from hybrid_draft.adapter.internals import MODULE, TARGET, shape_problem, vllm_version
 from hybrid_draft.events import emit
 from hybrid_draft.planning import DraftPlan
 
-MODULE = "vllm.model_executor.model_loader"
-TARGET = f"{MODULE}.get_model"
-REQUIRED = ("vllm_config", "model_config", "load_config")
 _WRAPPED = "__hybrid_draft_wrapped__"
-#: The original instanttensor-hybrid-draft-loader mod's marker in the file it rewrites.
-TEXT_PATCH_MARKER = "# spark-vllm mod: instanttensor-hybrid-draft-loader"
 #: The keys every hybrid_draft.decision event carries (null where a call leaves one unknown).
 DECISION_FIELDS = (
     "role",
@@ -60,140 +57,71 @@ SWITCH_MESSAGE = {
     "the target model",
 }
 
-#: The private vLLM names each part of the layer relies on (``module:attr`` or
-#: ``module:Class.attr``; instance attributes of a fresh ``DefaultModelLoader`` as
-#: ``loader.attr``). A part whose names are missing is switched off.
-_DL = "vllm.model_executor.model_loader.default_loader:DefaultModelLoader"
-PARTS: dict[str, tuple[str, ...]] = {
-    "draft_loaders": (
-        f"{_DL}._prepare_weights",
-        f"{_DL}._get_weights_iterator",
-        f"{_DL}.get_all_weights",
-        f"{_DL}.load_weights",
-        f"{_DL}.track_weights_loading",
-        f"{_DL}.counter_before_loading_weights",
-        f"{_DL}.Source",
-        "loader.local_expert_ids",
-        "loader._encoder_only_lm_prefixes",
-        "vllm.model_executor.model_loader.ep_weight_filter:should_skip_weight",
-        "vllm.model_executor.model_loader:register_model_loader",
-        "vllm.model_executor.model_loader.utils:get_model_architecture",
-        "vllm.model_executor.model_loader.weight_utils:enable_tqdm",
-    ),
-    "one_pass": (
-        f"{_DL}.get_all_weights",
-        f"{_DL}._init_ep_weight_filter",
-        "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
-        "vllm.model_executor.model_loader.utils:get_draft_load_config",
-        "vllm.distributed.parallel_state:get_pp_group",
-    ),
-    "direct_loads": ("vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",),
-    # The pipeline-parallel guard's InstantTensor read without vLLM's world group.
-    "ungrouped_draft": (
-        f"{_DL}._prepare_weights",
-        f"{_DL}._get_weights_iterator",
-        f"{_DL}.counter_before_loading_weights",
-        "loader.local_expert_ids",
-        "loader._encoder_only_lm_prefixes",
-        "loader._encoder_only_weights_mapper",
-        "vllm.model_executor.model_loader.default_loader:filter_mm_encoder_only_safetensors_files",
-        "vllm.model_executor.model_loader.default_loader:filter_safetensors_files_by_weight_name",
-        "vllm.model_executor.model_loader.ep_weight_filter:should_skip_weight",
-        "vllm.config:get_current_vllm_config_or_none",
-    ),
-}
-#: Parts switched off in this process, with why.
-OFF: dict[str, str] = {}
+
+@dataclasses.dataclass(frozen=True)
+class Installed:
+    """What the hook installed in this process: the parts on (those whose private vLLM names
+    have the shapes the layer uses and which installed cleanly), and why load figures are
+    not collected (None: they are)."""
+
+    capabilities: internals.Capabilities
+    unmeasured: str | None = None
 
 
-def vllm_version() -> str | None:
-    return getattr(sys.modules.get("vllm"), "__version__", None)
-
-
-def shape_problem(module: Any) -> str | None:
-    """Why this vLLM's ``get_model`` cannot be wrapped safely (None when it can)."""
-    get_model = getattr(module, "get_model", None)
-    if not callable(get_model):
-        return f"{MODULE} has no callable get_model"
-    try:
-        params = inspect.signature(get_model).parameters
-    except (TypeError, ValueError) as exc:
-        return f"get_model has no readable signature: {exc}"
-    missing = [p for p in REQUIRED if p not in params]
-    if missing:
-        return f"get_model has no parameter {', '.join(missing)}"
-    try:
-        from vllm.config.load import LoadConfig
-
-        fields = {f.name for f in dataclasses.fields(LoadConfig)}
-    except Exception as exc:  # any failure means "not a shape we know"
-        return f"vllm.config.load.LoadConfig is not a dataclass: {exc!r}"
-    if "load_format" not in fields:
-        return "LoadConfig has no load_format field"
-    return text_patch(module)
-
-
-def text_patch(module: Any) -> str | None:
-    """The original text-patch mod rewrote this vLLM's loader: say so (None if not)."""
-    path = getattr(module, "__file__", None)
-    try:
-        with open(path or "", encoding="utf-8", errors="replace") as f:
-            text = f.read(1 << 20)
-    except OSError:
-        return None
-    if TEXT_PATCH_MARKER not in text:
-        return None
-    return (
-        f"the instanttensor-hybrid-draft-loader mod has rewritten {path}; hybrid-draft does "
-        "its job and will not stack a second wrapper on it: reinstall vLLM (or recreate the "
-        "container without that mod), then hybrid-draft wraps get_model"
+def _part_skipped(caps: internals.Capabilities, part: str) -> None:
+    off = caps.off[part]
+    shapes: dict[str, Any] = {"shapes": dict(off.shapes)} if off.shapes else {}
+    emit(
+        "hybrid_draft.part_skipped",
+        "warning",
+        vllm_version=caps.vllm_version,
+        part=part,
+        missing=list(off.missing),
+        reason=off.reason,
+        **shapes,
     )
 
 
-def _resolve(name: str, loader: Any) -> bool:
-    if name.startswith("loader."):
-        return loader is not None and hasattr(loader, name.partition(".")[2])
-    module, _, path = name.partition(":")
-    try:
-        obj: Any = __import__(module, fromlist=["_"])
-        for part in path.split("."):
-            obj = getattr(obj, part)
-    except Exception:  # missing or failing: either way not a shape we know
-        return False
-    return True
+@functools.cache
+def installed() -> Installed:
+    """Switch off each part whose private vLLM names this vLLM lacks or has in another
+    shape, saying which; instrument the loads; register the layer's load formats. Once per
+    process (the first call is the hook's, once ``get_model`` is wrapped)."""
+    caps = internals.capabilities()
+    for part in caps.off:
+        _part_skipped(caps, part)
+    unshaped = [
+        why
+        for why in map(internals.problem, (internals.GET_ALL_WEIGHTS, internals.PREPARE_WEIGHTS))
+        if why is not None
+    ]
+    unmeasured: str | None = "; ".join(unshaped) or None
+    if unmeasured is None:
+        try:
+            unmeasured = stats.instrument(sys.modules[f"{MODULE}.default_loader"], _observe)
+        except Exception as exc:  # load figures are a report, never a reason to stop
+            unmeasured = f"{type(exc).__name__}: {exc}"
+    if unmeasured:
+        caps = caps.without("one_pass", unmeasured)
+    for part, failure in _register_loaders(caps):
+        caps = caps.without(part, failure)
+        _part_skipped(caps, part)
+    return Installed(caps, unmeasured)
 
 
-def missing_names(names: tuple[str, ...]) -> list[str]:
-    """The names of ``names`` this vLLM lacks."""
-    loader = None
-    try:
-        from vllm.config.load import LoadConfig
-        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
-        loader = DefaultModelLoader(LoadConfig(load_format="safetensors"))
-    except Exception:  # reported below as the missing instance attributes
-        loader = None
-    return [n for n in names if not _resolve(n, loader)]
+def part_off(part: str) -> str | None:
+    """Why ``part`` is off in this process (None: it is on)."""
+    return installed().capabilities.reason(part)
 
 
-def check_parts() -> None:
-    """Switch off each part whose private vLLM names this vLLM lacks, saying which."""
-    OFF.clear()
-    for part, names in PARTS.items():
-        missing = missing_names(names)
-        if missing:
-            OFF[part] = f"this vLLM has no {', '.join(missing)}"
-            emit(
-                "hybrid_draft.part_skipped",
-                "warning",
-                vllm_version=vllm_version(),
-                part=part,
-                missing=missing,
-                reason=OFF[part],
-            )
+def check_parts() -> Installed:
+    """Probe this vLLM anew and install again (for a process whose vLLM changed)."""
+    internals.capabilities.cache_clear()
+    installed.cache_clear()
+    return installed()
 
 
-def on_model_loader(module: Any) -> None:
+def on_model_loader(module: ModuleType) -> None:
     """The post-import hook: wrap ``module.get_model`` once, or leave vLLM untouched."""
     if getattr(getattr(module, "get_model", None), _WRAPPED, False):
         return
@@ -202,48 +130,39 @@ def on_model_loader(module: Any) -> None:
     if problem:
         emit("hybrid_draft.patch_skipped", "warning", vllm_version=vllm_version(), reason=problem)
         return
-    module.get_model = wrap(module.get_model)
+    module.get_model = wrap(module.get_model)  # type: ignore[attr-defined]
+    done = installed()
     extra: dict[str, Any] = {}
-    check_parts()
-    try:
-        unmeasured = stats.instrument(sys.modules[f"{MODULE}.default_loader"], _observe)
-    except Exception as exc:  # load figures are a report, never a reason to stop
-        unmeasured = f"{type(exc).__name__}: {exc}"
-    if unmeasured:
-        extra["load_stats"] = "unavailable: " + unmeasured
-        OFF.setdefault("one_pass", unmeasured)
-    _register_loaders()
-    if "direct_loads" not in OFF:
+    if done.unmeasured:
+        extra["load_stats"] = "unavailable: " + done.unmeasured
+    if done.capabilities.reason("direct_loads") is None:
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
         BaseModelLoader.load_model = wrap_load_model(BaseModelLoader.load_model)  # type: ignore[method-assign]
     emit("hybrid_draft.patched", vllm_version=vllm_version(), target=TARGET, **extra)
 
 
-def _register_loaders() -> None:
+def _register_loaders(caps: internals.Capabilities) -> list[tuple[str, str]]:
     """Register the layer's load formats with vLLM as soon as it can load: a user's own
-    ``draft_load_config`` may name one before any draft is decided."""
+    ``draft_load_config`` may name one before any draft is decided. The parts that failed
+    to, with why."""
     from hybrid_draft.adapter import loaders
 
+    failed = []
     for part, formats in (
         ("draft_loaders", (loaders.FILTERED, loaders.SELECTIVE)),
         ("ungrouped_draft", (loaders.UNGROUPED,)),
     ):
-        if part in OFF:
+        if caps.reason(part) is not None:
             continue
         try:
             for fmt in formats:
                 loaders.register(fmt)
         except Exception as exc:  # vLLM without them is vLLM as it was
-            OFF[part] = f"registering its load formats failed: {type(exc).__name__}: {exc}"
-            emit(
-                "hybrid_draft.part_skipped",
-                "warning",
-                vllm_version=vllm_version(),
-                part=part,
-                missing=[],
-                reason=OFF[part],
+            failed.append(
+                (part, f"registering its load formats failed: {type(exc).__name__}: {exc}")
             )
+    return failed
 
 
 # --- one load ----------------------------------------------------------------------------
@@ -476,7 +395,7 @@ def decide(call: calls.Call, load: Load) -> None:
             changed["stream"] = "unused"  # the new settings do not read the draft by its plan
     if decision.switched:
         load.load_format = decision.chosen_format
-    pipeline.guard(call, load, extra)
+    pipeline.guard(call, load, extra, part_off("ungrouped_draft"))
     _emit_decision(current, request, decision, extra, load.sink)
 
 
@@ -499,6 +418,8 @@ def _plan(
 
     try:
         return draftplan.for_call(call, skip_replaced)
+    except internals.Unsupported:  # a part is off: the decision says part_skipped
+        return None
     except Exception as exc:  # reported, and the draft loads on vLLM's own lazy path
         extra["plan_error"] = f"{type(exc).__name__}: {exc}"
         return None
@@ -564,14 +485,18 @@ def _decide_draft(
     same = _same_checkpoint(request)
     skip = bool(current.skip_replaced.value)
     held, held_plan = _held(call, current, extra)
+    loaders_off = part_off("draft_loaders")
     plan = _plan(call, extra, skip, held_plan) if same or decision.switched else None
-    if same:  # null when planning failed: unknown, not "nothing to say"
-        extra["warnings"] = (
-            plan.warnings() if plan is not None else (None if "plan_error" in extra else [])
-        )
+    if same:  # null when planning failed or could not run: unknown, not "nothing to say"
+        unknown = "plan_error" in extra or loaders_off is not None
+        extra["warnings"] = plan.warnings() if plan is not None else (None if unknown else [])
     if decision.reason == "selective":
         blocker = (
-            ("planning_failed", extra.get("plan_error", "no safetensors shards to plan"))
+            (
+                ("part_skipped", loaders_off)
+                if loaders_off is not None
+                else ("planning_failed", extra.get("plan_error", "no safetensors shards to plan"))
+            )
             if plan is None
             else plan.selective_blocker
         )
@@ -581,15 +506,15 @@ def _decide_draft(
             assert plan is not None
             extra.update(plan.selection().summary())
     extra["tensor_filter"] = False
-    ours = plan is not None and plan.is_unused is not None and "draft_loaders" not in OFF
+    ours = plan is not None and plan.is_unused is not None and loaders_off is None
     if decision.switched:
         if not ours:  # vLLM's own lazy path (a selective draft too: its loader is ours)
             load.load_config = calls.lazy_load_config(call.load_config)
             if decision.chosen_format != policy.SAFETENSORS:
                 decision = policy.fall_back(
                     decision,
-                    "part_skipped" if "draft_loaders" in OFF else "planning_failed",
-                    OFF.get("draft_loaders", "the draft has no plan to load by"),
+                    "part_skipped" if loaders_off is not None else "planning_failed",
+                    loaders_off or "the draft has no plan to load by",
                 )
             return decision
         fmt = (
@@ -630,8 +555,9 @@ def _tap(
     if budget <= 0:
         return off("hold_budget_zero")
     for part in ("one_pass", "draft_loaders"):
-        if part in OFF:
-            return off("part_skipped", OFF[part])
+        why = part_off(part)
+        if why is not None:
+            return off("part_skipped", why)
     if request.requested_format != policy.INSTANTTENSOR:
         return off("not_instanttensor")
     scope = hold.current()
@@ -641,13 +567,10 @@ def _tap(
     draft_config = getattr(spec, "draft_model_config", None)
     if draft_config is None or draft_config is getattr(spec, "target_model_config", None):
         return off("no_draft_model")
-    from vllm.distributed.parallel_state import get_pp_group
-    from vllm.model_executor.model_loader.utils import get_draft_load_config
-
-    if not get_pp_group().is_last_rank:
+    if not internals.pp_group().is_last_rank:
         return off("not_last_pp_rank", "the draft is built on the last pipeline stage only")
     draft_call = calls.Call.resolve(
-        call.vllm_config, draft_config, get_draft_load_config(call.vllm_config)
+        call.vllm_config, draft_config, internals.draft_load_config(call.vllm_config)
     )
     draft_request = draft_call.request()
     draft_decision = policy.decide(draft_request, current.mode.value)
@@ -691,13 +614,9 @@ def _tap(
 def _draft_expert_filter(draft_call: calls.Call) -> Callable[[str], bool]:
     """Whether the draft's load on this rank skips a name (another rank's expert), by the
     very vLLM code its loader will run."""
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
-
-    probe = DefaultModelLoader(calls.lazy_load_config(draft_call.load_config))
-    probe._init_ep_weight_filter(draft_call.model_config)
-    local = probe.local_expert_ids
-    return lambda name: should_skip_weight(name, local)
+    return internals.local_expert_filter(
+        calls.lazy_load_config(draft_call.load_config), draft_call.model_config
+    )
 
 
 def _emit_decision(

@@ -24,41 +24,55 @@ The target is loaded by every rank, so its grouped read is left as vLLM makes it
 from __future__ import annotations
 
 import dataclasses
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hybrid_draft import policy
+from hybrid_draft.adapter import calls, internals
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.load import LoadConfig
 
 
-def pipeline_size(vllm_config: Any) -> int:
+def pipeline_size(vllm_config: VllmConfig) -> int:
     """The server's pipeline-parallel size: the largest of the call's parallel config, the
     target's (a standalone draft's config says 1) and vLLM's PP group, when initialised."""
     spec = getattr(vllm_config, "speculative_config", None)
-    state = sys.modules.get("vllm.distributed.parallel_state")
     sizes = (
         getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", None),
         getattr(getattr(spec, "target_parallel_config", None), "pipeline_parallel_size", None),
-        getattr(getattr(state, "_PP", None), "world_size", None),
+        internals.pp_world_size(),
     )
     return max((s for s in sizes if isinstance(s, int) and not isinstance(s, bool)), default=1)
 
 
-def guard(call: Any, outcome: Any, extra: dict[str, Any]) -> None:
+class Outcome(Protocol):
+    """A call's decided outcome, as far as the guard reads and changes it."""
+
+    role: str | None
+    load_format: str | None
+    load_config: LoadConfig | None
+
+
+def guard(
+    call: calls.Call, outcome: Outcome, extra: dict[str, Any], ungrouped_off: str | None
+) -> None:
     """With PP > 1, a draft that keeps InstantTensor loads without vLLM's world group.
 
-    ``outcome`` is the call's decided outcome (role, load format, load config); ``extra``
-    gets ``pipeline_parallel_size`` and ``process_group: "none"`` for its decision event.
+    ``extra`` gets ``pipeline_parallel_size`` and ``process_group: "none"`` for its
+    decision event; ``ungrouped_off`` says why the ``ungrouped_draft`` part is off (None:
+    it is on), in which case vLLM's grouped read is kept.
     """
     if outcome.role != "draft" or outcome.load_format != policy.INSTANTTENSOR:
         return
     size = pipeline_size(call.vllm_config)
     if size <= 1:
         return
-    from hybrid_draft.adapter import loaders, patch
+    from hybrid_draft.adapter import loaders
 
-    if "ungrouped_draft" in patch.OFF:  # this vLLM's loader is not one the read knows
+    if ungrouped_off is not None:  # this vLLM's loader is not one the read knows
         extra["pipeline_parallel_size"] = size
-        extra["process_group"] = f"vLLM's own (part_skipped: {patch.OFF['ungrouped_draft']})"
+        extra["process_group"] = f"vLLM's own (part_skipped: {ungrouped_off})"
         return
 
     base = outcome.load_config if outcome.load_config is not None else call.load_config

@@ -64,7 +64,7 @@ def export(environ: MutableMapping[str, str] | None = None) -> str:
 
 
 def _skip(target: str, reason: str) -> None:
-    from hybrid_draft.adapter.patch import vllm_version
+    from hybrid_draft.adapter.internals import vllm_version
     from hybrid_draft.events import emit
 
     emit(
