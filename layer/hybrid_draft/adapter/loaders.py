@@ -35,13 +35,20 @@ import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybrid_draft import checkpoint, planning, policy
 from hybrid_draft.adapter import calls, hold, internals, shardread, sharing, stats
 from hybrid_draft.events import emit
+
+if TYPE_CHECKING:
+    from vllm.config.load import LoadConfig
+    from vllm.config.model import ModelConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    Source = DefaultModelLoader.Source
 
 #: The load formats these loaders are registered under.
 FILTERED = "safetensors_filtered"
@@ -261,7 +268,7 @@ def _loader_classes() -> dict[str, type]:
     class PlannedDraftLoader(DefaultModelLoader):
         """``DefaultModelLoader`` whose primary weights are read by the draft's plan."""
 
-        def __init__(self, load_config: Any) -> None:
+        def __init__(self, load_config: LoadConfig) -> None:
             # The base class reads plan-less sources as lazy safetensors.
             super().__init__(calls.lazy_load_config(load_config))
             self.requested_load_config = load_config
@@ -269,7 +276,7 @@ def _loader_classes() -> dict[str, type]:
 
         # -- the weights ------------------------------------------------------------------
 
-        def _get_weights_iterator(self, source: Any) -> Any:
+        def _get_weights_iterator(self, source: Source) -> Weights:
             read = self.draft
             if (
                 read is None
@@ -335,7 +342,7 @@ def _loader_classes() -> dict[str, type]:
 
         # -- the load ---------------------------------------------------------------------
 
-        def load_weights(self, model: Any, model_config: Any) -> None:
+        def load_weights(self, model: Any, model_config: ModelConfig) -> None:
             self.draft = read = _READ.get()
             replaceable: dict[str, str] = {}
             if read is not None:
@@ -370,7 +377,7 @@ def _loader_classes() -> dict[str, type]:
             finally:
                 del model.load_weights
 
-        def _complete(self, model: Any, model_config: Any, loaded: set[str]) -> bool:
+        def _complete(self, model: Any, model_config: ModelConfig, loaded: set[str]) -> bool:
             """vLLM's own "weights were not initialized" check, as a question."""
             try:
                 DefaultModelLoader.track_weights_loading(
@@ -383,7 +390,7 @@ def _loader_classes() -> dict[str, type]:
         def _check_skip(
             self,
             model: Any,
-            model_config: Any,
+            model_config: ModelConfig,
             read: DraftRead,
             replaceable: dict[str, str],
             load: Callable[[Iterable[tuple[str, Any]]], Any],
@@ -457,10 +464,10 @@ def _loader_classes() -> dict[str, type]:
     class UngroupedInstantTensorLoader(DefaultModelLoader):
         """vLLM's InstantTensor load, without the world group (a last-stage-only draft)."""
 
-        def __init__(self, load_config: Any) -> None:
+        def __init__(self, load_config: LoadConfig) -> None:
             super().__init__(dataclasses.replace(load_config, load_format=policy.INSTANTTENSOR))
 
-        def _get_weights_iterator(self, source: Any) -> Any:
+        def _get_weights_iterator(self, source: Source) -> Weights:
             from vllm.config import get_current_vllm_config_or_none
             from vllm.platforms import current_platform
 
