@@ -250,11 +250,11 @@ def test_a_vllm_without_a_private_name_keeps_the_draft_on_its_own_path(
     import vllm.model_executor.model_loader.ep_weight_filter as ep_weight_filter
 
     from conftest import engine_config, load_target_and_draft
-    from hybrid_draft.adapter import patch
+    from hybrid_draft.adapter import parts
 
     monkeypatch.delattr(ep_weight_filter, "should_skip_weight")
     try:
-        patch.check_parts()
+        parts.check_parts()
         skipped = events.named("hybrid_draft.part_skipped")
         # The two parts that read it: the draft loaders and the pipeline guard's read.
         assert {e["part"] for e in skipped} == {"draft_loaders", "ungrouped_draft"}
@@ -265,8 +265,8 @@ def test_a_vllm_without_a_private_name_keeps_the_draft_on_its_own_path(
         load_target_and_draft(engine_config(qwen35))
     finally:
         monkeypatch.undo()
-        patch.check_parts()
-    assert patch.OFF == {}
+        parts.check_parts()
+    assert not parts.installed().capabilities.off
     (draft,) = [e for e in events.decisions() if e["role"] == "draft"]
     assert (draft["action"], draft["chosen_format"], draft["tensor_filter"]) == (
         "switched",

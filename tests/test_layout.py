@@ -4,12 +4,14 @@ Layers, lowest first: the package root and its file reader; settings; events; th
 policy and checkpoint readers; planning; the vLLM adapter and the bootstrap that hooks it
 in; the tools. A module imports only from its own layer or below (anywhere in it, at module
 level or inside a function), so the runtime never imports a tool, the pure core never
-imports the adapter, and nothing imports the bootstrap.
+imports the adapter, and nothing imports the bootstrap. Within a layer (``adapter/``
+included) no module imports another that imports it back, by any chain.
 """
 
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,14 @@ def test_imports_flow_one_way(name: str, path: Path) -> None:
 
 def test_every_module_has_a_layer() -> None:
     assert {layer(m) for m, _ in modules()} == set(range(7))
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No import cycle anywhere in the package, ``adapter/`` included, counting the
+    imports inside functions: each module can be read knowing only what is below it."""
+    graph = {name: imports(name, path) - {name} for name, path in modules()}
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        cycle = " -> ".join(reversed(exc.args[1]))
+        raise AssertionError(f"an import cycle: {cycle}") from None

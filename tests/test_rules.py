@@ -503,9 +503,9 @@ def test_rules_lists_every_draft_class_vllm_registers(
 
     assert cli.main(["rules", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    from hybrid_draft.adapter import patch
+    from hybrid_draft.adapter import internals
 
-    assert out["vllm_version"] == patch.vllm_version()
+    assert out["vllm_version"] == internals.vllm_version()
     rows = out["classes"]
     assert [r["architecture"] for r in rows] == list(_SPECULATIVE_DECODING_MODELS)
     for r in rows:

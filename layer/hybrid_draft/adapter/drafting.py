@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybrid_draft import policy, records, settings
-from hybrid_draft.adapter import calls, hold, loaders
+from hybrid_draft.adapter import calls, hold, internals, loaders
 from hybrid_draft.planning import DraftPlan
 from hybrid_draft.records import ABSENT, Opt
 
@@ -110,9 +110,10 @@ def draft(
     decision: policy.Decision,
     current: settings.Settings,
     scope: hold.Scope | None,
-    off: Mapping[str, str],
+    loaders_off: str | None,
 ) -> Draft:
-    """Decide a draft's load: its plan, whether the layer's loaders read it, its config."""
+    """Decide a draft's load: its plan, whether the layer's loaders read it, its config.
+    ``loaders_off`` says why the ``draft_loaders`` part is off (None: it is on)."""
     from hybrid_draft.adapter import draftplan, drafts, rules
 
     rule_error: Opt[str] = ABSENT
@@ -127,27 +128,30 @@ def draft(
     if plan is None and (same or decision.switched):
         try:
             plan = draftplan.for_call(call, bool(current.skip_replaced.value))
+        except internals.Unsupported:  # a part is off: the decision says part_skipped
+            plan = None
         except Exception as exc:  # reported, and the draft loads on vLLM's own lazy path
             plan_error = f"{type(exc).__name__}: {exc}"
     warnings: Opt[list[dict[str, str]] | None] = ABSENT
-    if same:  # null when planning failed: unknown, not "nothing to say"
-        warnings = plan.warnings() if plan is not None else (None if plan_error else [])
+    if same:  # null when planning failed or could not run: unknown, not "nothing to say"
+        unknown = bool(plan_error) or loaders_off is not None
+        warnings = plan.warnings() if plan is not None else (None if unknown else [])
     selection: Opt[Mapping[str, int]] = ABSENT
     if decision.reason == "selective":
-        blocker = (
-            (
-                "planning_failed",
-                plan_error if isinstance(plan_error, str) else "no safetensors shards to plan",
-            )
-            if plan is None
-            else plan.selective_blocker
-        )
+        blocker: tuple[str, str] | None
+        if plan is not None:
+            blocker = plan.selective_blocker
+        elif loaders_off is not None:
+            blocker = ("part_skipped", loaders_off)
+        else:
+            why = plan_error if isinstance(plan_error, str) else "no safetensors shards to plan"
+            blocker = ("planning_failed", why)
         if blocker:
             decision = policy.fall_back(decision, *blocker)
         else:
             assert plan is not None
             selection = plan.selection().summary()
-    ours = plan is not None and plan.is_unused is not None and "draft_loaders" not in off
+    ours = plan is not None and plan.is_unused is not None and loaders_off is None
     load_config: LoadConfig | None = None
     reads = False
     if decision.switched:
@@ -156,8 +160,8 @@ def draft(
             if decision.chosen_format != policy.SAFETENSORS:
                 decision = policy.fall_back(
                     decision,
-                    "part_skipped" if "draft_loaders" in off else "planning_failed",
-                    off.get("draft_loaders", "the draft has no plan to load by"),
+                    "part_skipped" if loaders_off is not None else "planning_failed",
+                    loaders_off or "the draft has no plan to load by",
                 )
         else:
             fmt = (

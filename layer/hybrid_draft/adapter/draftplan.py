@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybrid_draft import checkpoint
-from hybrid_draft.adapter import calls, drafts, rules, selective, sharing
+from hybrid_draft.adapter import calls, drafts, internals, rules, selective, sharing
 from hybrid_draft.planning import DraftPlan
 
 
@@ -23,8 +23,13 @@ def weight_files(call: calls.Call) -> list[str]:
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     lazy = calls.lazy_load_config(call.load_config)
-    _, files, use_safetensors, _ = DefaultModelLoader(lazy)._prepare_weights(
-        call.model_config.model, None, call.model_config.revision, False, None
+    _, files, use_safetensors, _ = internals.prepare_weights(
+        DefaultModelLoader(lazy),
+        call.model_config.model,
+        None,
+        call.model_config.revision,
+        False,
+        None,
     )
     return sorted(files) if use_safetensors else []
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_draft import checkpoint
-from hybrid_draft.adapter import rules, sharing
+from hybrid_draft.adapter import internals, rules, sharing
 
 CONFIG_NAME = "config.json"
 
@@ -56,9 +56,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _vllm_version() -> str:
-    import vllm
+    import vllm  # noqa: F401 - the version is the imported vLLM's
 
-    return f"vLLM {getattr(vllm, '__version__', '(unknown version)')}"
+    return f"vLLM {internals.vllm_version() or '(unknown version)'}"
 
 
 @contextlib.contextmanager
@@ -75,10 +75,9 @@ def _quiet(logger_name: str) -> Iterator[None]:
 def _known_model_type(model_type: Any) -> bool:
     """Whether transformers or vLLM has a config class for ``model_type`` (no code to run)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from vllm.transformers_utils.config import _CONFIG_REGISTRY
 
     return isinstance(model_type, str) and (
-        model_type in CONFIG_MAPPING or model_type in _CONFIG_REGISTRY
+        model_type in CONFIG_MAPPING or model_type in internals.config_registry()
     )
 
 
@@ -313,6 +312,4 @@ def rules_summary(classes: list[dict[str, str]]) -> str:
 
 def draft_class(model_config: Any) -> type:
     """The class vLLM builds for ``model_config`` (its registry's resolution)."""
-    from vllm.model_executor.model_loader.utils import get_model_architecture
-
-    return get_model_architecture(model_config)[0]
+    return internals.model_class(model_config)

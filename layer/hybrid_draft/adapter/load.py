@@ -11,13 +11,12 @@ unchanged. The events' keys are the fields of ``hybrid_draft.records``' types.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hybrid_draft import policy, records, settings
-from hybrid_draft.adapter import calls, drafting, hold, loaders, onepass, pipeline, stats, vllm_api
+from hybrid_draft.adapter import calls, drafting, hold, loaders, onepass, parts, pipeline, stats
 from hybrid_draft.adapter import where as places
 from hybrid_draft.events import Sink, emit
 from hybrid_draft.records import ABSENT
@@ -168,22 +167,6 @@ class Load:
         )
 
 
-_CURRENT: ContextVar[Load | None] = ContextVar("hybrid_draft_load", default=None)
-
-
-def current() -> Load | None:
-    """The load in progress in this context, if any."""
-    return _CURRENT.get()
-
-
-def observer() -> Callable[[str, Any], None] | None:
-    """For the tensors a ``DefaultModelLoader`` is about to yield to a model: the target's
-    tap (it keeps the draft's), or None."""
-    load = _CURRENT.get()
-    tap = load.tap if load is not None else None
-    return tap.offer if tap is not None else None
-
-
 def read_settings() -> settings.Settings:
     """The load's one settings snapshot; an invalid setting is reported and stops it."""
     try:
@@ -202,7 +185,6 @@ def read_settings() -> settings.Settings:
 def decide(call: calls.Call, request: policy.Request, current: settings.Settings) -> Load:
     """Decide one load with its settings snapshot."""
     decision = policy.decide(request, str(current.mode.value))
-    off = vllm_api.capabilities().off
     scope = hold.current()
     target = draft = None
     if request.role == "target":
@@ -216,7 +198,9 @@ def decide(call: calls.Call, request: policy.Request, current: settings.Settings
                 ),
             )
     else:
-        draft = drafting.draft(call, request, decision, current, scope, off)
+        draft = drafting.draft(
+            call, request, decision, current, scope, parts.part_off("draft_loaders")
+        )
         decision = draft.decision
     fmt = decision.chosen_format if decision.switched else request.requested_format
     load_config = draft.load_config if draft is not None else None
@@ -227,7 +211,9 @@ def decide(call: calls.Call, request: policy.Request, current: settings.Settings
         decision=decision,
         target=target,
         draft=draft,
-        route=pipeline.route(call, request.role, fmt, load_config, off),
+        route=pipeline.route(
+            call, request.role, fmt, load_config, parts.part_off("ungrouped_draft")
+        ),
     )
 
 
@@ -268,15 +254,14 @@ def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None]
             )
         else:
             _emit_decision(load)
-        token = _CURRENT.set(load)
+        tap = load.tap
+        cost.observe = tap.offer if tap is not None else None
         try:
             with loaders.reading(load.read):
                 model = proceed(load.load_config)
         except BaseException as exc:
             _finish(load, cost, exc)
             raise
-        finally:
-            _CURRENT.reset(token)
         _finish(load, cost, None)
     return model
 
@@ -321,13 +306,3 @@ def layer_error(what: str, exc: BaseException, sink: Sink) -> None:
             error_type=type(exc).__name__,
             error=str(exc),
         )
-
-
-@contextlib.contextmanager
-def loading(load: Load) -> Iterator[None]:
-    """``load`` as the current one (the bench's target pass, a test's)."""
-    token = _CURRENT.set(load)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)

@@ -35,13 +35,20 @@ import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybrid_draft import checkpoint, planning, policy
-from hybrid_draft.adapter import calls, hold, shardread, sharing, stats
+from hybrid_draft.adapter import calls, hold, internals, shardread, sharing, stats
 from hybrid_draft.events import Sink, emit
+
+if TYPE_CHECKING:
+    from vllm.config.load import LoadConfig
+    from vllm.config.model import ModelConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    Source = DefaultModelLoader.Source
 
 #: The load formats these loaders are registered under.
 FILTERED = "safetensors_filtered"
@@ -53,10 +60,13 @@ Weights = Generator[tuple[str, torch.Tensor], None, None]
 
 def _tqdm(total: int, desc: str, use_tqdm: bool, **kwargs: Any) -> Any:
     from tqdm.auto import tqdm
-    from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
     return tqdm(
-        total=total, desc=desc, mininterval=1.0, disable=not enable_tqdm(use_tqdm), **kwargs
+        total=total,
+        desc=desc,
+        mininterval=1.0,
+        disable=not internals.enable_tqdm(use_tqdm),
+        **kwargs,
     )
 
 
@@ -160,10 +170,9 @@ def instanttensor_ungrouped_iterator(
     """
     import instanttensor
     from safetensors import safe_open
-    from vllm.model_executor.model_loader import weight_utils
-    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
-    engram = getattr(weight_utils, "_ENGRAM_WEIGHT_RE", None)
+    should_skip_weight = internals.should_skip_weight
+    engram = internals.engram_pattern()
     gpu_names: list[str] = []
     cpu_weights: dict[str, list[str]] = {}
     for path in files:
@@ -254,12 +263,13 @@ def _add(counts: dict[str, int], tensor: Any) -> None:
 def _loader_classes() -> dict[str, type]:
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+
+    should_skip_weight = internals.should_skip_weight
 
     class PlannedDraftLoader(DefaultModelLoader):
         """``DefaultModelLoader`` whose primary weights are read by the draft's plan."""
 
-        def __init__(self, load_config: Any) -> None:
+        def __init__(self, load_config: LoadConfig) -> None:
             # The base class reads plan-less sources as lazy safetensors.
             super().__init__(calls.lazy_load_config(load_config))
             self.requested_load_config = load_config
@@ -267,7 +277,7 @@ def _loader_classes() -> dict[str, type]:
 
         # -- the weights ------------------------------------------------------------------
 
-        def _get_weights_iterator(self, source: Any) -> Any:
+        def _get_weights_iterator(self, source: Source) -> Weights:
             read = self.draft
             if (
                 read is None
@@ -333,7 +343,7 @@ def _loader_classes() -> dict[str, type]:
 
         # -- the load ---------------------------------------------------------------------
 
-        def load_weights(self, model: Any, model_config: Any) -> None:
+        def load_weights(self, model: Any, model_config: ModelConfig) -> None:
             self.draft = read = _READ.get()
             replaceable: dict[str, str] = {}
             if read is not None:
@@ -368,7 +378,7 @@ def _loader_classes() -> dict[str, type]:
             finally:
                 del model.load_weights
 
-        def _complete(self, model: Any, model_config: Any, loaded: set[str]) -> bool:
+        def _complete(self, model: Any, model_config: ModelConfig, loaded: set[str]) -> bool:
             """vLLM's own "weights were not initialized" check, as a question."""
             try:
                 DefaultModelLoader.track_weights_loading(
@@ -381,7 +391,7 @@ def _loader_classes() -> dict[str, type]:
         def _check_skip(
             self,
             model: Any,
-            model_config: Any,
+            model_config: ModelConfig,
             read: DraftRead,
             replaceable: dict[str, str],
             load: Callable[[Iterable[tuple[str, Any]]], Any],
@@ -455,10 +465,10 @@ def _loader_classes() -> dict[str, type]:
     class UngroupedInstantTensorLoader(DefaultModelLoader):
         """vLLM's InstantTensor load, without the world group (a last-stage-only draft)."""
 
-        def __init__(self, load_config: Any) -> None:
+        def __init__(self, load_config: LoadConfig) -> None:
             super().__init__(dataclasses.replace(load_config, load_format=policy.INSTANTTENSOR))
 
-        def _get_weights_iterator(self, source: Any) -> Any:
+        def _get_weights_iterator(self, source: Source) -> Weights:
             from vllm.config import get_current_vllm_config_or_none
             from vllm.platforms import current_platform
 
@@ -469,7 +479,8 @@ def _loader_classes() -> dict[str, type]:
             # The steps of vLLM's _get_weights_iterator before its InstantTensor read,
             # through default_loader's names (the layer's load figures see them there).
             default_loader = sys.modules[DefaultModelLoader.__module__]
-            folder, files, use_safetensors, index_file = self._prepare_weights(
+            folder, files, use_safetensors, index_file = internals.prepare_weights(
+                self,
                 source.model_or_path,
                 source.subfolder,
                 source.revision,
@@ -512,8 +523,6 @@ def _loader_classes() -> dict[str, type]:
 
 @functools.cache
 def register(load_format: str) -> None:
-    """Register one of this layer's loaders with vLLM, once per process (a failed
-    registration raises, and is not remembered)."""
-    from vllm.model_executor.model_loader import register_model_loader
-
-    register_model_loader(load_format)(_loader_classes()[load_format])
+    """Register one of this layer's loaders with vLLM, once per process (a failure is
+    not remembered: the next call tries again)."""
+    internals.register_model_loader(load_format, _loader_classes()[load_format])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybrid_draft import policy, records, settings
-from hybrid_draft.adapter import calls, draftplan, hold, vllm_api
+from hybrid_draft.adapter import calls, draftplan, hold, internals, parts
 from hybrid_draft.planning import DraftPlan
 
 if TYPE_CHECKING:
@@ -40,10 +40,10 @@ def tap(call: calls.Call, current: settings.Settings, scope: hold.Scope | None) 
     setting = int(current.hold_budget.value)
     if setting <= 0:
         return _off("hold_budget_zero")
-    capabilities = vllm_api.capabilities()
     for part in ("one_pass", "draft_loaders"):
-        if part in capabilities.off:
-            return _off("part_skipped", capabilities.off[part])
+        why = parts.part_off(part)
+        if why is not None:
+            return _off("part_skipped", why)
     if call.request().requested_format != policy.INSTANTTENSOR:
         return _off("not_instanttensor")
     if scope is None:
@@ -52,10 +52,10 @@ def tap(call: calls.Call, current: settings.Settings, scope: hold.Scope | None) 
     draft_config = getattr(spec, "draft_model_config", None)
     if draft_config is None or draft_config is getattr(spec, "target_model_config", None):
         return _off("no_draft_model")
-    if not vllm_api.is_last_pp_rank():
+    if not internals.pp_group().is_last_rank:
         return _off("not_last_pp_rank", "the draft is built on the last pipeline stage only")
     draft_call = calls.Call.resolve(
-        call.vllm_config, draft_config, vllm_api.draft_load_config(call.vllm_config)
+        call.vllm_config, draft_config, internals.draft_load_config(call.vllm_config)
     )
     draft_request = draft_call.request()
     draft_decision = policy.decide(draft_request, str(current.mode.value))
@@ -82,4 +82,4 @@ def expert_filter(draft_call: calls.Call) -> Callable[[str], bool]:
     """Whether the draft's load on this rank skips a name (another rank's expert), by the
     very vLLM code its loader will run."""
     config: ModelConfig = draft_call.model_config
-    return vllm_api.expert_filter(calls.lazy_load_config(draft_call.load_config), config)
+    return internals.local_expert_filter(calls.lazy_load_config(draft_call.load_config), config)

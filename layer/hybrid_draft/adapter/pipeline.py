@@ -24,27 +24,24 @@ The target is loaded by every rank, so its grouped read is left as vLLM makes it
 from __future__ import annotations
 
 import dataclasses
-import sys
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from hybrid_draft import policy
+from hybrid_draft.adapter import calls, internals
 
 if TYPE_CHECKING:
-    from vllm.config import LoadConfig, VllmConfig
-
-    from hybrid_draft.adapter.calls import Call
+    from vllm.config import VllmConfig
+    from vllm.config.load import LoadConfig
 
 
 def pipeline_size(vllm_config: VllmConfig) -> int:
     """The server's pipeline-parallel size: the largest of the call's parallel config, the
     target's (a standalone draft's config says 1) and vLLM's PP group, when initialised."""
     spec = getattr(vllm_config, "speculative_config", None)
-    state = sys.modules.get("vllm.distributed.parallel_state")
     sizes = (
         getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", None),
         getattr(getattr(spec, "target_parallel_config", None), "pipeline_parallel_size", None),
-        getattr(getattr(state, "_PP", None), "world_size", None),
+        internals.pp_world_size(),
     )
     return max((s for s in sizes if isinstance(s, int) and not isinstance(s, bool)), default=1)
 
@@ -61,21 +58,22 @@ class Route:
 
 
 def route(
-    call: Call,
+    call: calls.Call,
     role: str,
     load_format: str | None,
     load_config: LoadConfig | None,
-    off: Mapping[str, str],
+    ungrouped_off: str | None,
 ) -> Route | None:
     """With PP > 1, a draft that keeps InstantTensor loads without vLLM's world group
-    (None: nothing to route). ``off`` is the parts switched off in this process."""
+    (None: nothing to route). ``ungrouped_off`` says why the ``ungrouped_draft`` part is
+    off (None: it is on), in which case vLLM's grouped read is kept."""
     if role != "draft" or load_format != policy.INSTANTTENSOR:
         return None
     size = pipeline_size(call.vllm_config)
     if size <= 1:
         return None
-    if "ungrouped_draft" in off:  # this vLLM's loader is not one the read knows
-        return Route(size, f"vLLM's own (part_skipped: {off['ungrouped_draft']})", load_config)
+    if ungrouped_off is not None:  # this vLLM's loader is not one the read knows
+        return Route(size, f"vLLM's own (part_skipped: {ungrouped_off})", load_config)
     from hybrid_draft.adapter import loaders
 
     base = load_config if load_config is not None else call.load_config

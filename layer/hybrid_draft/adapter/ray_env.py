@@ -28,6 +28,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, MutableMapping
+from types import ModuleType
 from typing import Any
 
 from hybrid_draft import settings
@@ -64,7 +65,7 @@ def export(environ: MutableMapping[str, str] | None = None) -> str:
 
 
 def _skip(target: str, reason: str) -> None:
-    from hybrid_draft.adapter.patch import vllm_version
+    from hybrid_draft.adapter.internals import vllm_version
     from hybrid_draft.events import emit
 
     emit(
@@ -108,7 +109,7 @@ def _wrap_driver_env(original: Callable[..., dict[str, str]]) -> Callable[..., d
     return get_driver_env_vars
 
 
-def on_ray_env(module: Any) -> None:
+def on_ray_env(module: ModuleType) -> None:
     """Post-import hook of ``vllm.ray.ray_env``: wrap ``get_env_vars_to_copy`` once."""
     original = getattr(module, "get_env_vars_to_copy", None)
     target = f"{module.__name__}.get_env_vars_to_copy"
@@ -121,10 +122,10 @@ def on_ray_env(module: Any) -> None:
     if original is None or "additional_vars" not in params:
         _skip(target, "no callable get_env_vars_to_copy(additional_vars=...): settings stay local")
         return
-    module.get_env_vars_to_copy = _wrap_copy(original)
+    module.get_env_vars_to_copy = _wrap_copy(original)  # type: ignore[attr-defined]
 
 
-def on_ray_env_utils(module: Any) -> None:
+def on_ray_env_utils(module: ModuleType) -> None:
     """Post-import hook of ``vllm.v1.executor.ray_env_utils``: wrap ``get_driver_env_vars``."""
     original = getattr(module, "get_driver_env_vars", None)
     if getattr(original, _WRAPPED, False):
@@ -135,4 +136,4 @@ def on_ray_env_utils(module: Any) -> None:
             "no callable get_driver_env_vars: the driver's file settings stay local",
         )
         return
-    module.get_driver_env_vars = _wrap_driver_env(original)
+    module.get_driver_env_vars = _wrap_driver_env(original)  # type: ignore[attr-defined]

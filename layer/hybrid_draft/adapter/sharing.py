@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybrid_draft.adapter import internals
 from hybrid_draft.events import Sink, emit
 from hybrid_draft.planning import SHARED_KINDS
 
@@ -41,19 +42,7 @@ _UNQUANTIZED = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
 
 def mechanism_problem() -> str | None:
     """Why this vLLM's proposers will not replace an MTP draft's modules (None: they will)."""
-    try:
-        from vllm.v1.spec_decode.eagle import EagleProposer
-        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-        from vllm.v1.worker.gpu.spec_decode.eagle import utils as mrv2
-    except Exception as exc:  # a vLLM of another shape: nothing is skipped
-        return f"vLLM's proposers do not import: {type(exc).__name__}: {exc}"
-    for name in ("_maybe_share_embeddings", "_maybe_share_lm_head"):
-        base = getattr(SpecDecodeBaseProposer, name, None)
-        if base is None or getattr(EagleProposer, name, None) is not base:
-            return f"EagleProposer has no vLLM {name}"
-    if not callable(getattr(mrv2, "maybe_share_target_embed", None)):
-        return "model runner v2 has no maybe_share_target_embed"
-    return None
+    return internals.share_mechanism_problem()
 
 
 def expected(
@@ -110,13 +99,7 @@ def replaceable(model: Any, kinds: Iterable[str]) -> dict[str, str]:
 def partial_load() -> contextlib.AbstractContextManager[Any]:
     """For a ``load_weights`` call with only some of a draft's tensors: vLLM's own switch
     that turns off the MTP classes' "every MTP layer loaded" check for that one call."""
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-    except ImportError:  # a vLLM without that check
-        return contextlib.nullcontext()
-    return disable_mtp_completeness_check()
+    return internals.mtp_partial_load()
 
 
 def _noop(*_args: Any, **_kwargs: Any) -> None:

@@ -51,6 +51,9 @@ class LoadStats:
     resolved: dict[str, int] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
     tensors: int | None = None
+    #: Sees every tensor a ``DefaultModelLoader`` yields to the model during the load (the
+    #: target's one-pass tap), or None.
+    observe: Observer | None = None
 
     def resolve(self, files: Iterable[str]) -> None:
         for f in files:
@@ -82,6 +85,11 @@ class LoadStats:
 _CURRENT: ContextVar[LoadStats | None] = ContextVar("hybrid_draft_load_stats", default=None)
 
 
+def current() -> LoadStats | None:
+    """The load being measured in this context (None: no load the layer decided)."""
+    return _CURRENT.get()
+
+
 @contextmanager
 def measuring() -> Iterator[LoadStats]:
     stats = LoadStats()
@@ -109,15 +117,13 @@ def dropped(files: Iterable[str]) -> None:
 Observer = Callable[[str, Any], None]
 
 
-def _counting(
-    get_all_weights: Callable[..., Any], observer: Callable[[], Observer | None]
-) -> Callable[..., Any]:
+def _counting(get_all_weights: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(get_all_weights)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Generator[Any, None, None]:
         stats = _CURRENT.get()
         if stats is not None and stats.tensors is None:
             stats.tensors = 0
-        observe = observer()
+        observe = stats.observe if stats is not None else None
         for item in get_all_weights(self, *args, **kwargs):
             if stats is not None:
                 stats.tensors = (stats.tensors or 0) + 1
@@ -149,23 +155,18 @@ def _dropping(file_filter: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def instrument(
-    default_loader: Any, observer: Callable[[], Observer | None] = lambda: None
-) -> str | None:
+def instrument(default_loader: Any) -> str | None:
     """Install the reporting wraps on vLLM's default loader module; None, or why not.
 
-    ``observer`` is asked once per ``get_all_weights`` call for a function that sees every
-    tensor yielded to the model (the one-pass tap), or None. Idempotent. A vLLM whose
+    Every tensor ``get_all_weights`` yields to the model is counted and shown to the
+    current load's ``LoadStats.observe`` (the one-pass tap). Idempotent. A vLLM whose
     loader has another shape is left untouched: its loads are still timed and their bytes
     counted, only tensors and shards stay unknown.
     """
     cls = getattr(default_loader, "DefaultModelLoader", None)
 
-    def counting(get_all_weights: Callable[..., Any]) -> Callable[..., Any]:
-        return _counting(get_all_weights, observer)
-
     wraps: list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = [
-        (cls, "get_all_weights", counting),
+        (cls, "get_all_weights", _counting),
         (cls, "_prepare_weights", _resolving),
     ]
     missing = [name for owner, name, _ in wraps if not callable(getattr(owner, name, None))]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from hybrid_draft import records, settings
+from hybrid_draft.adapter import internals
 
 
 def node() -> str:
@@ -22,10 +23,8 @@ def node() -> str:
 
 def rank() -> int | None:
     """This process's global rank, or None outside an initialised distributed group."""
-    state = sys.modules.get("vllm.distributed.parallel_state")
-    world = getattr(state, "_WORLD", None) if state is not None else None
-    value = getattr(world, "rank", None)
-    if isinstance(value, int) and not isinstance(value, bool):
+    value = internals.world_rank()
+    if value is not None:
         return value
     dist = sys.modules.get("torch.distributed")
     try:

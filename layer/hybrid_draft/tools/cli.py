@@ -64,11 +64,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _rules(args: argparse.Namespace) -> int:
-    from hybrid_draft.adapter import drafts, patch
+    from hybrid_draft.adapter import drafts, internals
 
     classes = drafts.draft_classes()
     if args.json:
-        print(json.dumps({"vllm_version": patch.vllm_version(), "classes": classes}, indent=2))
+        print(json.dumps({"vllm_version": internals.vllm_version(), "classes": classes}, indent=2))
         return 0
     from hybrid_draft.tools import tables
 

@@ -49,12 +49,12 @@ def check_vllm() -> Check:
         import vllm.model_executor.model_loader as loader
     except Exception as exc:  # report it as a failed check; the doctor itself never crashes
         return False, f"vllm: cannot import vllm.model_executor.model_loader: {exc!r}"
-    from hybrid_draft.adapter import patch
+    from hybrid_draft.adapter import internals
 
-    version = patch.vllm_version()
+    version = internals.vllm_version()
     if getattr(loader.get_model, "__hybrid_draft_wrapped__", False):
-        return True, f"vllm: {version}, {patch.TARGET} is wrapped"
-    problem = patch.shape_problem(loader)
+        return True, f"vllm: {version}, {internals.TARGET} is wrapped"
+    problem = internals.shape_problem(loader)
     return False, f"vllm: {version}, get_model not wrapped: {problem or 'the hook did not run'}"
 
 

@@ -28,7 +28,6 @@ the draft's parameters filled from them; with the device's peak memory).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -263,8 +262,7 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import set_current_vllm_config
     from vllm.config.load import LoadConfig
 
-    from hybrid_draft.adapter import hold, loaders
-    from hybrid_draft.adapter import load as loads
+    from hybrid_draft.adapter import hold, loaders, stats
 
     plan = _plan(spec)
     # The one stand-in: vLLM's InstantTensor read, which needs CUDA.
@@ -282,9 +280,11 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
     files = spec["files_all"]
 
     def target_pass(decided: Any) -> float:
-        """One target pass, tapped when ``decided`` (its load) holds for the draft."""
+        """One target pass, tapped when ``decided`` (its load) holds for the draft, as a
+        served load's run taps it."""
         start = time.perf_counter()
-        with loads.loading(decided) if decided is not None else contextlib.nullcontext():
+        with stats.measuring() as cost:
+            cost.observe = decided.tap.offer if decided is not None else None
             for _ in target.get_all_weights(model_config, target_model):
                 pass
         return time.perf_counter() - start

@@ -1,0 +1,564 @@
+"""Every private vLLM name the layer relies on, probed by shape once per process.
+
+vLLM's private names change without notice between releases. A name that still exists
+but takes other arguments or returns another tuple would pass a check by name and then
+fail mid-load; so each name here is described by the shape the layer uses it by
+(:class:`Name`: the parameters it passes, by name and position; the keywords it passes;
+how many values it unpacks from the result, read from the function's own ``return``
+statements; the dataclass fields it reads), and :func:`capabilities` checks every one of
+them against this vLLM once per process. A part of the layer (:data:`PARTS`) with a name
+missing or of another shape is off, with the name and the shape found; its loads stay on
+vLLM's own path (``patch`` says so with a ``hybrid_draft.part_skipped`` event).
+
+The rest of the adapter reaches private vLLM names only through the wrappers below, so
+what is probed is what is called. Public vLLM API (``LoadConfig``, ``get_model``,
+``init_logger``) is used where it is needed. This module imports no other module of the
+layer's adapter and nothing from vLLM at module level.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import functools
+import inspect
+import sys
+import textwrap
+from collections.abc import Callable, Mapping
+from types import MappingProxyType, ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import re
+
+    from vllm.config import VllmConfig
+    from vllm.config.load import LoadConfig
+    from vllm.config.model import ModelConfig
+    from vllm.distributed.parallel_state import GroupCoordinator
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+#: The package vLLM's ``get_model`` lives in, and what the layer wraps.
+MODULE = "vllm.model_executor.model_loader"
+TARGET = f"{MODULE}.get_model"
+#: The parameters of ``get_model`` the wrapper reads.
+REQUIRED = ("vllm_config", "model_config", "load_config")
+#: The original instanttensor-hybrid-draft-loader mod's marker in the file it rewrites.
+TEXT_PATCH_MARKER = "# spark-vllm mod: instanttensor-hybrid-draft-loader"
+
+
+@dataclasses.dataclass(frozen=True)
+class Name:
+    """One private vLLM name and the shape the layer uses it by.
+
+    ``path`` is ``module:attr`` or ``module:Class.attr``, or ``loader.attr`` for an
+    instance attribute of a fresh ``DefaultModelLoader``. ``params``: the positional
+    parameters the layer passes, in order (``self`` included for a method); the callable
+    must take exactly these by position and require nothing else. ``keywords``: the
+    keyword arguments the layer passes. ``returns``: the length of the tuple the layer
+    unpacks. ``fields``: the dataclass fields the layer reads.
+    """
+
+    path: str
+    params: tuple[str, ...] | None = None
+    keywords: tuple[str, ...] = ()
+    returns: int | None = None
+    fields: tuple[str, ...] = ()
+
+    def expected(self) -> str:
+        """The shape the layer uses, as :func:`found` writes shapes."""
+        if self.fields:
+            return f"fields {', '.join(self.fields)}"
+        if self.params is None:
+            return "present"
+        args = [*self.params, *(f"*, {k}" if i == 0 else k for i, k in enumerate(self.keywords))]
+        text = f"({', '.join(args)})"
+        return text + (f" -> {self.returns} values" if self.returns is not None else "")
+
+
+_DL = "vllm.model_executor.model_loader.default_loader:DefaultModelLoader"
+_D = "vllm.model_executor.model_loader.default_loader"
+_PREPARE_ARGS = ("model_name_or_path", "subfolder", "revision", "fall_back_to_pt")
+PREPARE_WEIGHTS = Name(
+    f"{_DL}._prepare_weights", ("self", *_PREPARE_ARGS, "allow_patterns_overrides"), returns=4
+)
+GET_WEIGHTS_ITERATOR = Name(f"{_DL}._get_weights_iterator", ("self", "source"))
+GET_ALL_WEIGHTS = Name(f"{_DL}.get_all_weights", ("self", "model_config", "model"))
+LOAD_WEIGHTS = Name(f"{_DL}.load_weights", ("self", "model", "model_config"))
+TRACK_WEIGHTS_LOADING = Name(
+    f"{_DL}.track_weights_loading", ("self", "model", "loaded_weights"), ("quantized",)
+)
+COUNTER = Name(f"{_DL}.counter_before_loading_weights")
+SOURCE = Name(
+    f"{_DL}.Source",
+    fields=(
+        "model_or_path",
+        "revision",
+        "subfolder",
+        "prefix",
+        "fall_back_to_pt",
+        "allow_patterns_overrides",
+        "is_unused_weight",
+    ),
+)
+INIT_EP_WEIGHT_FILTER = Name(f"{_DL}._init_ep_weight_filter", ("self", "model_config"))
+LOCAL_EXPERT_IDS = Name("loader.local_expert_ids")
+ENCODER_ONLY_PREFIXES = Name("loader._encoder_only_lm_prefixes")
+ENCODER_ONLY_MAPPER = Name("loader._encoder_only_weights_mapper")
+SHOULD_SKIP_WEIGHT = Name(
+    "vllm.model_executor.model_loader.ep_weight_filter:should_skip_weight",
+    ("weight_name", "local_expert_ids"),
+)
+REGISTER_MODEL_LOADER = Name(f"{MODULE}:register_model_loader", ("load_format",))
+GET_MODEL_ARCHITECTURE = Name(
+    "vllm.model_executor.model_loader.utils:get_model_architecture", ("model_config",)
+)
+ENABLE_TQDM = Name(
+    "vllm.model_executor.model_loader.weight_utils:enable_tqdm", ("use_tqdm_on_load",)
+)
+LOAD_MODEL = Name(
+    "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
+    ("self", "vllm_config", "model_config"),
+)
+GET_DRAFT_LOAD_CONFIG = Name(
+    "vllm.model_executor.model_loader.utils:get_draft_load_config", ("vllm_config",)
+)
+GET_PP_GROUP = Name("vllm.distributed.parallel_state:get_pp_group", ())
+FILTER_ENCODER_ONLY = Name(
+    f"{_D}:filter_mm_encoder_only_safetensors_files",
+    ("hf_weights_files", "hf_folder", "index_file", "language_model_prefixes"),
+    ("weights_mapper",),
+)
+FILTER_BY_WEIGHT_NAME = Name(
+    f"{_D}:filter_safetensors_files_by_weight_name", ("hf_weights_files", "is_unused_weight")
+)
+CURRENT_CONFIG_OR_NONE = Name("vllm.config:get_current_vllm_config_or_none", ())
+
+#: The private vLLM names each part of the layer relies on. A part with a name missing or
+#: of another shape is off.
+PARTS: Mapping[str, tuple[Name, ...]] = MappingProxyType(
+    {
+        "draft_loaders": (
+            PREPARE_WEIGHTS,
+            GET_WEIGHTS_ITERATOR,
+            GET_ALL_WEIGHTS,
+            LOAD_WEIGHTS,
+            TRACK_WEIGHTS_LOADING,
+            COUNTER,
+            SOURCE,
+            LOCAL_EXPERT_IDS,
+            ENCODER_ONLY_PREFIXES,
+            SHOULD_SKIP_WEIGHT,
+            REGISTER_MODEL_LOADER,
+            GET_MODEL_ARCHITECTURE,
+            ENABLE_TQDM,
+        ),
+        "one_pass": (
+            GET_ALL_WEIGHTS,
+            INIT_EP_WEIGHT_FILTER,
+            LOAD_MODEL,
+            GET_DRAFT_LOAD_CONFIG,
+            GET_PP_GROUP,
+        ),
+        "direct_loads": (LOAD_MODEL,),
+        # The pipeline-parallel guard's InstantTensor read without vLLM's world group.
+        "ungrouped_draft": (
+            PREPARE_WEIGHTS,
+            GET_WEIGHTS_ITERATOR,
+            COUNTER,
+            LOCAL_EXPERT_IDS,
+            ENCODER_ONLY_PREFIXES,
+            ENCODER_ONLY_MAPPER,
+            FILTER_ENCODER_ONLY,
+            FILTER_BY_WEIGHT_NAME,
+            SHOULD_SKIP_WEIGHT,
+            CURRENT_CONFIG_OR_NONE,
+        ),
+    }
+)
+
+
+def vllm_version() -> str | None:
+    """The version of the vLLM this process imported (None before it is imported)."""
+    return getattr(sys.modules.get("vllm"), "__version__", None)
+
+
+# --- the probe ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Off:
+    """Why one part is off: its names this vLLM lacks, and those of another shape (name ->
+    the shape found)."""
+
+    missing: tuple[str, ...] = ()
+    shapes: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    #: Set instead when the part failed to install (its names were all as expected).
+    failure: str | None = None
+
+    @property
+    def reason(self) -> str:
+        if self.failure is not None:
+            return self.failure
+        parts = []
+        if self.missing:
+            parts.append(f"this vLLM has no {', '.join(self.missing)}")
+        for path, shape in self.shapes.items():
+            parts.append(f"this vLLM's {path} is {shape}, not {_BY_PATH[path].expected()}")
+        return "; ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What this vLLM lets the layer do: the parts that are off, and why."""
+
+    vllm_version: str | None
+    off: Mapping[str, Off]
+    #: Every probed name this vLLM lacks.
+    missing: frozenset[str]
+    #: Every probed name of another shape than the layer's, with the shape found.
+    shapes: Mapping[str, str]
+
+    def reason(self, part: str) -> str | None:
+        """Why ``part`` is off (None: it is on)."""
+        off = self.off.get(part)
+        return off.reason if off is not None else None
+
+    def usable(self, name: Name) -> bool:
+        """Whether ``name`` exists here with the shape the layer uses it by."""
+        return name.path not in self.shapes and name.path not in self.missing
+
+    def without(self, part: str, failure: str) -> Capabilities:
+        """These capabilities with ``part`` off for ``failure`` (it failed to install)."""
+        if part in self.off:
+            return self
+        off = MappingProxyType({**self.off, part: Off(failure=failure)})
+        return dataclasses.replace(self, off=off)
+
+
+_BY_PATH = {name.path: name for names in PARTS.values() for name in names}
+_ABSENT = object()
+
+
+def _lookup(path: str, loader: object) -> object:
+    if path.startswith("loader."):
+        return getattr(loader, path.partition(".")[2], _ABSENT) if loader is not None else _ABSENT
+    module, _, attrs = path.partition(":")
+    try:
+        obj: object = __import__(module, fromlist=["_"])
+        for attr in attrs.split("."):
+            obj = getattr(obj, attr)
+    except Exception:  # missing or failing: either way not a shape we know
+        return _ABSENT
+    return obj
+
+
+def _returned(function: Callable[..., object]) -> set[int]:
+    """The lengths of the tuples ``function``'s own ``return`` statements build, read from
+    its source (empty when it cannot be read or returns no tuple literal: unknown)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(function))))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    node = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        return set()
+    out: set[int] = set()
+    stack: list[ast.AST] = list(node.body)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            continue  # a nested function's returns are not this one's
+        if isinstance(item, ast.Return) and isinstance(item.value, ast.Tuple):
+            out.add(len(item.value.elts))
+        stack.extend(ast.iter_child_nodes(item))
+    return out
+
+
+def found(name: Name, obj: object) -> str | None:
+    """The shape ``obj`` has if it is not the one ``name`` is used by (None: it is)."""
+    if name.fields:
+        try:
+            have = {f.name for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+        except TypeError:
+            return "not a dataclass"
+        lacking = [f for f in name.fields if f not in have]
+        return f"a dataclass without {', '.join(lacking)}" if lacking else None
+    if name.params is None:
+        return None
+    if not callable(obj):
+        return "not callable"
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return "a callable without a readable signature"
+    params = list(signature.parameters.values())
+    signature = signature.replace(  # the shape, without annotations
+        parameters=[p.replace(annotation=p.empty) for p in params],
+        return_annotation=signature.empty,
+    )
+    positional = [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    names = tuple(p.name for p in positional[: len(name.params)])
+    kinds_ok = all(p.kind != p.VAR_POSITIONAL for p in positional[: len(name.params)])
+    extra_required = [
+        p
+        for p in params[len(name.params) :]
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    keywords = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if (
+        names != name.params
+        or not kinds_ok
+        or extra_required
+        or any(k not in keywords for k in name.keywords)
+    ):
+        return f"{signature}"
+    if name.returns is not None:
+        lengths = _returned(obj)
+        if lengths and lengths != {name.returns}:
+            return f"{signature} -> {', '.join(map(str, sorted(lengths)))} values"
+    return None
+
+
+def _fresh_loader() -> object:
+    try:
+        from vllm.config.load import LoadConfig
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        return DefaultModelLoader(LoadConfig(load_format="safetensors"))
+    except Exception:  # reported as the missing instance attributes
+        return None
+
+
+@functools.cache
+def capabilities() -> Capabilities:
+    """Probe every name of :data:`PARTS` against this vLLM, once per process."""
+    loader = _fresh_loader()
+    missing: dict[str, str] = {}
+    shapes: dict[str, str] = {}
+    for path, name in _BY_PATH.items():
+        obj = _lookup(path, loader)
+        if obj is _ABSENT:
+            missing[path] = path
+            continue
+        shape = found(name, obj)
+        if shape is not None:
+            shapes[path] = shape
+    off: dict[str, Off] = {}
+    for part, names in PARTS.items():
+        lacking = tuple(n.path for n in names if n.path in missing)
+        other = {n.path: shapes[n.path] for n in names if n.path in shapes}
+        if lacking or other:
+            off[part] = Off(missing=lacking, shapes=MappingProxyType(other))
+    return Capabilities(
+        vllm_version=vllm_version(),
+        off=MappingProxyType(off),
+        missing=frozenset(missing),
+        shapes=MappingProxyType(shapes),
+    )
+
+
+class Unsupported(Exception):
+    """A private vLLM name the layer needs here has another shape on this vLLM."""
+
+
+def problem(name: Name) -> str | None:
+    """Why ``name`` cannot be used as the layer uses it on this vLLM (None: it can)."""
+    caps = capabilities()
+    shape = caps.shapes.get(name.path)
+    if shape is not None:
+        return f"this vLLM's {name.path} is {shape}, not {name.expected()}"
+    return f"this vLLM has no {name.path}" if name.path in caps.missing else None
+
+
+def _require(name: Name) -> None:
+    why = problem(name)
+    if why is not None:
+        raise Unsupported(why)
+
+
+# --- get_model's own shape ---------------------------------------------------------------
+
+
+def shape_problem(module: ModuleType) -> str | None:
+    """Why this vLLM's ``get_model`` cannot be wrapped safely (None when it can)."""
+    get_model = getattr(module, "get_model", None)
+    if not callable(get_model):
+        return f"{MODULE} has no callable get_model"
+    try:
+        params = inspect.signature(get_model).parameters
+    except (TypeError, ValueError) as exc:
+        return f"get_model has no readable signature: {exc}"
+    missing = [p for p in REQUIRED if p not in params]
+    if missing:
+        return f"get_model has no parameter {', '.join(missing)}"
+    try:
+        from vllm.config.load import LoadConfig
+
+        fields = {f.name for f in dataclasses.fields(LoadConfig)}
+    except Exception as exc:  # any failure means "not a shape we know"
+        return f"vllm.config.load.LoadConfig is not a dataclass: {exc!r}"
+    if "load_format" not in fields:
+        return "LoadConfig has no load_format field"
+    return text_patch(module)
+
+
+def text_patch(module: ModuleType) -> str | None:
+    """The original text-patch mod rewrote this vLLM's loader: say so (None if not)."""
+    path = getattr(module, "__file__", None)
+    try:
+        with open(path or "", encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return None
+    if TEXT_PATCH_MARKER not in text:
+        return None
+    return (
+        f"the instanttensor-hybrid-draft-loader mod has rewritten {path}; hybrid-draft does "
+        "its job and will not stack a second wrapper on it: reinstall vLLM (or recreate the "
+        "container without that mod), then hybrid-draft wraps get_model"
+    )
+
+
+# --- the wrappers ------------------------------------------------------------------------
+
+
+def prepare_weights(
+    loader: DefaultModelLoader,
+    model_name_or_path: str,
+    subfolder: str | None,
+    revision: str | None,
+    fall_back_to_pt: bool,
+    allow_patterns_overrides: list[str] | None,
+) -> tuple[str, list[str], bool, str]:
+    """``DefaultModelLoader._prepare_weights``: folder, files, whether safetensors, index
+    file. Raises :class:`Unsupported` on a vLLM where it has another shape."""
+    _require(PREPARE_WEIGHTS)
+    folder, files, use_safetensors, index_file = loader._prepare_weights(
+        model_name_or_path, subfolder, revision, fall_back_to_pt, allow_patterns_overrides
+    )
+    return folder, files, use_safetensors, index_file
+
+
+def should_skip_weight(weight_name: str, local_expert_ids: set[int] | None) -> bool:
+    """Whether vLLM's expert-parallel filter skips ``weight_name`` on this rank."""
+    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight as skip
+
+    return bool(skip(weight_name, local_expert_ids))
+
+
+def local_expert_filter(
+    load_config: LoadConfig, model_config: ModelConfig
+) -> Callable[[str], bool]:
+    """Whether a load of ``model_config`` on this rank skips a name (another rank's
+    expert), by the very vLLM code its loader will run."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    probe = DefaultModelLoader(load_config)
+    probe._init_ep_weight_filter(model_config)
+    local = probe.local_expert_ids
+    return lambda name: should_skip_weight(name, local)
+
+
+def enable_tqdm(use_tqdm_on_load: bool) -> bool:
+    """vLLM's answer to whether this rank shows a load progress bar."""
+    from vllm.model_executor.model_loader.weight_utils import enable_tqdm as enabled
+
+    return bool(enabled(use_tqdm_on_load))
+
+
+def register_model_loader(load_format: str, cls: type) -> None:
+    """Register ``cls`` with vLLM as the loader of ``load_format``."""
+    from vllm.model_executor.model_loader import register_model_loader as register
+
+    register(load_format)(cls)
+
+
+def model_class(model_config: ModelConfig) -> type:
+    """The class vLLM builds for ``model_config`` (its registry's resolution)."""
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    cls: type = get_model_architecture(model_config)[0]
+    return cls
+
+
+def draft_load_config(vllm_config: VllmConfig) -> LoadConfig:
+    """The load config vLLM's proposers load the draft with."""
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    return get_draft_load_config(vllm_config)
+
+
+def pp_group() -> GroupCoordinator:
+    """vLLM's pipeline-parallel group."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_pp_group()
+
+
+def pp_world_size() -> int | None:
+    """The size of vLLM's pipeline-parallel group once initialised (None before)."""
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    size = getattr(getattr(state, "_PP", None), "world_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def world_rank() -> int | None:
+    """This process's rank in vLLM's world group once initialised (None before)."""
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    rank = getattr(getattr(state, "_WORLD", None), "rank", None)
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+
+
+def engram_pattern() -> re.Pattern[str] | None:
+    """vLLM's pattern of the Engram tables it maps on the CPU (None: this vLLM has none)."""
+    from vllm.model_executor.model_loader import weight_utils
+
+    pattern: re.Pattern[str] | None = getattr(weight_utils, "_ENGRAM_WEIGHT_RE", None)
+    return pattern
+
+
+def config_registry() -> Mapping[str, object]:
+    """vLLM's own config classes by model type (``vllm.transformers_utils.config``)."""
+    try:
+        from vllm.transformers_utils.config import _CONFIG_REGISTRY
+    except ImportError:  # a vLLM without one knows only transformers' model types
+        return MappingProxyType({})
+    registry: Mapping[str, object] = _CONFIG_REGISTRY
+    return registry
+
+
+@functools.cache
+def share_mechanism_problem() -> str | None:
+    """Why this vLLM's proposers will not replace an MTP draft's embedding and head with
+    the target's (None: they will), by the private names they do it through."""
+    try:
+        from vllm.v1.spec_decode.eagle import EagleProposer
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+        from vllm.v1.worker.gpu.spec_decode.eagle import utils as mrv2
+    except Exception as exc:  # a vLLM of another shape: nothing is skipped
+        return f"vLLM's proposers do not import: {type(exc).__name__}: {exc}"
+    for name in ("_maybe_share_embeddings", "_maybe_share_lm_head"):
+        base = getattr(SpecDecodeBaseProposer, name, None)
+        if base is None or getattr(EagleProposer, name, None) is not base:
+            return f"EagleProposer has no vLLM {name}"
+    if not callable(getattr(mrv2, "maybe_share_target_embed", None)):
+        return "model runner v2 has no maybe_share_target_embed"
+    return None
+
+
+def mtp_partial_load() -> contextlib.AbstractContextManager[Any]:
+    """vLLM's switch that turns off the MTP classes' "every MTP layer loaded" check for
+    one ``load_weights`` call (a no-op on a vLLM without that check)."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+    except ImportError:
+        return contextlib.nullcontext()
+    manager: contextlib.AbstractContextManager[Any] = disable_mtp_completeness_check()
+    return manager

@@ -1,0 +1,107 @@
+"""The layer's parts in this process: which are on, once per process (:func:`installed`).
+
+``internals`` probes every private vLLM name the layer's parts rely on, by shape; here a part
+whose names are missing or of another shape is switched off with a
+``hybrid_draft.part_skipped`` event naming them (and the shapes found), the loads are
+instrumented (``stats``) and the layer's load formats registered. Its drafts then load on
+vLLM's own path. Everything that asks whether a part is on asks :func:`part_off`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from typing import Any
+
+from hybrid_draft import settings
+from hybrid_draft.adapter import internals, stats
+from hybrid_draft.adapter.internals import MODULE
+from hybrid_draft.events import emit
+
+
+@dataclasses.dataclass(frozen=True)
+class Installed:
+    """What the hook installed in this process: the parts on (those whose private vLLM names
+    have the shapes the layer uses and which installed cleanly), and why load figures are
+    not collected (None: they are)."""
+
+    capabilities: internals.Capabilities
+    unmeasured: str | None = None
+
+
+def _part_skipped(caps: internals.Capabilities, part: str) -> None:
+    off = caps.off[part]
+    shapes: dict[str, Any] = {"shapes": dict(off.shapes)} if off.shapes else {}
+    emit(
+        "hybrid_draft.part_skipped",
+        "warning",
+        sink=settings.process_sink(),
+        vllm_version=caps.vllm_version,
+        part=part,
+        missing=list(off.missing),
+        reason=off.reason,
+        **shapes,
+    )
+
+
+@functools.cache
+def installed() -> Installed:
+    """Switch off each part whose private vLLM names this vLLM lacks or has in another
+    shape, saying which; instrument the loads; register the layer's load formats. Once per
+    process (the first call is the hook's, once ``get_model`` is wrapped)."""
+    caps = internals.capabilities()
+    for part in caps.off:
+        _part_skipped(caps, part)
+    unshaped = [
+        why
+        for why in map(internals.problem, (internals.GET_ALL_WEIGHTS, internals.PREPARE_WEIGHTS))
+        if why is not None
+    ]
+    unmeasured: str | None = "; ".join(unshaped) or None
+    if unmeasured is None:
+        try:
+            unmeasured = stats.instrument(sys.modules[f"{MODULE}.default_loader"])
+        except Exception as exc:  # load figures are a report, never a reason to stop
+            unmeasured = f"{type(exc).__name__}: {exc}"
+    if unmeasured:
+        caps = caps.without("one_pass", unmeasured)
+    for part, failure in _register_loaders(caps):
+        caps = caps.without(part, failure)
+        _part_skipped(caps, part)
+    return Installed(caps, unmeasured)
+
+
+def part_off(part: str) -> str | None:
+    """Why ``part`` is off in this process (None: it is on)."""
+    return installed().capabilities.reason(part)
+
+
+def check_parts() -> Installed:
+    """Probe this vLLM anew and install again (for a process whose vLLM changed)."""
+    internals.capabilities.cache_clear()
+    installed.cache_clear()
+    return installed()
+
+
+def _register_loaders(caps: internals.Capabilities) -> list[tuple[str, str]]:
+    """Register the layer's load formats with vLLM as soon as it can load: a user's own
+    ``draft_load_config`` may name one before any draft is decided. The parts that failed
+    to, with why."""
+    from hybrid_draft.adapter import loaders
+
+    failed = []
+    for part, formats in (
+        ("draft_loaders", (loaders.FILTERED, loaders.SELECTIVE)),
+        ("ungrouped_draft", (loaders.UNGROUPED,)),
+    ):
+        if caps.reason(part) is not None:
+            continue
+        try:
+            for fmt in formats:
+                loaders.register(fmt)
+        except Exception as exc:  # vLLM without them is vLLM as it was
+            failed.append(
+                (part, f"registering its load formats failed: {type(exc).__name__}: {exc}")
+            )
+    return failed
