@@ -10,10 +10,15 @@ them against this vLLM once per process. A part of the layer (:data:`PARTS`) wit
 missing or of another shape is off, with the name and the shape found; its loads stay on
 vLLM's own path (``patch`` says so with a ``hybrid_draft.part_skipped`` event).
 
-The rest of the adapter reaches private vLLM names only through the wrappers below, so
-what is probed is what is called. Public vLLM API (``LoadConfig``, ``get_model``,
-``init_logger``) is used where it is needed. This module imports no other module of the
-layer's adapter and nothing from vLLM at module level.
+The rest of the adapter calls private vLLM code through the wrappers below, so what is
+probed is what is called; the two places that cannot (the draft loaders, subclasses of
+``DefaultModelLoader`` that use its private members; the load figures, which wrap its
+methods) use only names probed here, and only while their part is on. The wrappers that
+planning, the one pass and the load formats' registration call raise :class:`Unsupported`
+rather than call a name of another shape (the per-tensor ones do not: only loads of a part
+that is on call them). Public vLLM API (``LoadConfig``, ``get_model``, ``init_logger``) is
+used where it is needed. This module imports no other module of the layer's adapter and
+nothing from vLLM at module level.
 """
 
 from __future__ import annotations
@@ -458,6 +463,8 @@ def local_expert_filter(
     expert), by the very vLLM code its loader will run."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+    _require(INIT_EP_WEIGHT_FILTER)
+    _require(LOCAL_EXPERT_IDS)
     probe = DefaultModelLoader(load_config)
     probe._init_ep_weight_filter(model_config)
     local = probe.local_expert_ids
@@ -475,6 +482,7 @@ def register_model_loader(load_format: str, cls: type) -> None:
     """Register ``cls`` with vLLM as the loader of ``load_format``."""
     from vllm.model_executor.model_loader import register_model_loader as register
 
+    _require(REGISTER_MODEL_LOADER)
     register(load_format)(cls)
 
 
@@ -490,6 +498,7 @@ def draft_load_config(vllm_config: VllmConfig) -> LoadConfig:
     """The load config vLLM's proposers load the draft with."""
     from vllm.model_executor.model_loader.utils import get_draft_load_config
 
+    _require(GET_DRAFT_LOAD_CONFIG)
     return get_draft_load_config(vllm_config)
 
 
@@ -497,6 +506,7 @@ def pp_group() -> GroupCoordinator:
     """vLLM's pipeline-parallel group."""
     from vllm.distributed.parallel_state import get_pp_group
 
+    _require(GET_PP_GROUP)
     return get_pp_group()
 
 
