@@ -7,14 +7,10 @@ so a run that was killed half-way leaves nothing the next run does not remove.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -153,17 +149,14 @@ class Container:
 
     image: str
     name: str
-    hosts: dict[str, str] = field(default_factory=dict)  # name -> address, in /etc/hosts
     id: str = ""
     mounted: Path | None = None
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.name = PREFIX + self.name
         buildah("rm", self.name, check=False)
-        add_hosts = [f"--add-host={name}:{addr}" for name, addr in self.hosts.items()]
         self.id = buildah(
-            "from", "--pull-never", "--name", self.name, "-q", *add_hosts, self.image
+            "from", "--pull-never", "--name", self.name, "-q", self.image
         ).stdout.strip()
 
     def mount(self) -> Path:
@@ -171,95 +164,19 @@ class Container:
             self.mounted = Path(buildah("mount", self.id).stdout.strip())
         return self.mounted
 
-    def run_argv(
-        self,
-        argv: Sequence[str],
-        *,
-        env: dict[str, str] | None = None,
-        volumes: Sequence[str] = (),
-        netns: str | None = None,
-        user: str | None = None,
-    ) -> list[str]:
-        """The command line of ``buildah run`` for ``argv`` (inside ``netns`` when given; as
-        ``user`` when given, else as the image's user, as ``docker exec`` runs)."""
+    def run(
+        self, argv: Sequence[str], *, user: str | None = None, timeout: float | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """``buildah run`` of ``argv``, as ``user`` when given, else as the image's user."""
         cmd = ["buildah", "run", "--isolation", ISOLATION]
         if user is not None:
             cmd += ["--user", user]
-        for k, v in (env or {}).items():
-            cmd += ["--env", f"{k}={v}"]
-        for vol in volumes:
-            cmd += ["--volume", vol]
-        cmd += [self.id, "--", *argv]
-        # nsenter joins only the network namespace: `ip netns exec` would also give each
-        # run a mount namespace of its own, where buildah's mounts of a container that
-        # another run holds are missing.
-        return ["nsenter", f"--net=/run/netns/{netns}", *cmd] if netns else cmd
-
-    def copy(self, source: Path, dest: str) -> None:
-        """The contents of the host folder ``source`` into ``dest`` (``docker cp SRC/. DEST``)."""
-        buildah("copy", "--quiet", self.id, str(source), dest)
-
-    def run(
-        self, argv: Sequence[str], *, timeout: float | None = None, **kw: Any
-    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            self.run_argv(argv, **kw), capture_output=True, text=True, timeout=timeout
+            [*cmd, self.id, "--", *argv], capture_output=True, text=True, timeout=timeout
         )
 
-    def start(self, argv: Sequence[str], *, log: Path, **kw: Any) -> subprocess.Popen[bytes]:
-        """Start ``argv`` in the background, in a session of its own (stopped by :meth:`stop`)."""
-        with open(log, "ab") as f:
-            proc = subprocess.Popen(
-                self.run_argv(argv, **kw),
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self.procs.append(proc)
-        return proc
-
-    def stop(self, grace: float = 30) -> None:
-        """SIGTERM every process started here (and their children), SIGKILL after ``grace``."""
-        for proc in self.procs:
-            stop_session(proc, grace)
-        self.procs.clear()
-
     def remove(self) -> None:
-        self.stop()
         if self.mounted is not None:
             buildah("umount", self.id, check=False)
             self.mounted = None
         buildah("rm", self.id, check=False)
-
-
-def _session_pids(sid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.getsid(int(entry.name)) == sid:
-                pids.append(int(entry.name))
-        except (ProcessLookupError, PermissionError):
-            continue
-    return pids
-
-
-def stop_session(proc: subprocess.Popen[bytes], grace: float) -> None:
-    """Stop a process started with ``start_new_session`` and everything in its session."""
-    sid = proc.pid
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
-        pids = _session_pids(sid)
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and _session_pids(sid):
-            proc.poll()
-            time.sleep(0.5)
-    proc.poll()
-    if proc.returncode is None:
-        proc.wait(timeout=10)

@@ -24,7 +24,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: buildfiles
 
 import buildah
-import composeflow
 import engine as docker_engine
 import localbase
 import textmod
@@ -47,7 +46,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             )
     buildah.remove_leftovers()
     ENGINE.stop()  # a killed run's engine, data and namespace
-    composeflow.remove_leftover_namespaces()
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     FIGURES["start"] = time.monotonic()
@@ -212,17 +210,6 @@ def image() -> Built:
     return built("venv")
 
 
-def image_config(tag: str) -> dict[str, dict[str, Any]]:
-    """The OCI config of an image, keyed by its tag, as composeflow.up takes it."""
-    return {tag: buildah.image_config(tag)}
-
-
-@pytest.fixture(scope="session")
-def image_cfg(image: Built) -> dict[str, dict[str, Any]]:
-    """The OCI config of each image compose.yaml names by default (the venv base's)."""
-    return image_config(image.tag)
-
-
 _PYTHON_INFO: dict[str, dict[str, Any]] = {}
 
 
@@ -257,28 +244,6 @@ print(json.dumps({"purelib": sysconfig.get_path("purelib"), "uid": os.getuid(),
 @pytest.fixture(scope="session")
 def site_packages(image: Built) -> str:
     return python_info(image.tag)["purelib"]
-
-
-def standin_for(site_packages: str) -> dict[str, str]:
-    """Host file -> path in the image, for the stand-in of InstantTensor's GPU read."""
-    files = composeflow.cpu_run()["standin"]["files"]
-    missing = [f for f in files if not (REPO / f).is_file()]
-    assert not missing, f"the stand-in's files are missing: {missing}"
-    return {str(REPO / f): f"{site_packages}/{Path(f).name}" for f in files}
-
-
-@pytest.fixture(scope="session")
-def standin(site_packages: str) -> dict[str, str]:
-    return standin_for(site_packages)
-
-
-@pytest.fixture(scope="session")
-def model_volume() -> Path:
-    """compose's `default-model` volume, kept across every run of the session as Compose
-    keeps it: the first run's model service writes the checkpoint, the others reuse it."""
-    path = WORK / "volumes" / "default-model"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,8 +23,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import buildah
+import hostcpu
 from buildfiles import REPO
 
 ROOT = REPO / "build" / "docker-engine"
@@ -33,11 +36,57 @@ CPU_COMPOSE = Path(__file__).with_name("cpu-compose.yaml")
 PROJECT = "hybrid-draft"
 SCRATCH = Path(os.environ.get("HYBRID_DRAFT_IMAGE_TEST_TMP", "/var/tmp"))
 UP_TIMEOUT_S = float(os.environ.get("HYBRID_DRAFT_IMAGE_TEST_HEALTH_TIMEOUT", "900")) + 120
+#: compose.yaml's variables as a user of a CPU host sets them (tests/image/cpu-compose.yaml).
+CPU_VARIABLES = {
+    "CHECKPOINT_ARCH": "deepseek_v3",
+    "CHECKPOINT_PRESET": "cpu",
+    "MAX_MODEL_LEN": "1024",
+    "CPU_DTYPE": hostcpu.serving_dtype(),  # tests/hostcpu.py: bfloat16 where AMX_MLA serves
+}
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+@dataclass
+class Up:
+    """One ``docker compose up``: its exit status, its output, the events volume's files."""
+
+    returncode: int
+    output: str
+    events_dir: Path
+
+    def service(self, name: str) -> str:
+        """The lines of one service's output (compose prefixes each with ``name-N  | ``)."""
+        prefix = re.compile(rf"^{re.escape(name)}-\d+\s+\| ?")
+        # compose 2.26 starts each log line with an erase-line code even with --ansi never
+        lines = (ANSI.sub("", ln) for ln in self.output.splitlines())
+        return "\n".join(prefix.sub("", ln) for ln in lines if prefix.match(ln))
+
+    def events(self, name: str = "hybrid-draft.jsonl") -> list[dict[str, Any]]:
+        path = self.events_dir / name
+        if not path.exists():
+            return []
+        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def passed(result: Up) -> str:
+    smoke = result.service("smoke")
+    assert result.returncode == 0, result.output[-8000:]
+    assert "FAIL" not in smoke and re.search(r"^smoke: \d+ passed, 0 failed$", smoke, re.M), smoke
+    return smoke
+
+
+def stood_in_reads(result: Up) -> list[dict[str, Any]]:
+    """The loads that went through the stand-in for InstantTensor's GPU read."""
+    return [e for e in result.events("standin.jsonl") if e.get("event") == "call"]
 
 
 @dataclass
 class Engine:
+    """A dockerd with its data under ``root``, in the network namespace ``netns``."""
+
     root: Path = ROOT
+    netns: str = NETNS
 
     @property
     def socket(self) -> Path:
@@ -82,18 +131,20 @@ class Engine:
     def start(self) -> None:
         self.stop()  # a run that was killed half-way leaves its engine behind
         self.root.mkdir(parents=True)
-        subprocess.run(["ip", "netns", "add", NETNS], check=True)
-        subprocess.run(["ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "add", self.netns], check=True)
+        subprocess.run(
+            ["ip", "netns", "exec", self.netns, "ip", "link", "set", "lo", "up"], check=True
+        )
         with open(self.root / "dockerd.log", "w") as log:
             subprocess.Popen(
                 [
                     "nsenter",
-                    f"--net=/run/netns/{NETNS}",
+                    f"--net=/run/netns/{self.netns}",
                     "dockerd",
                     "--data-root",
                     str(self.root / "data"),
                     "--exec-root",
-                    f"/run/{NETNS}",
+                    f"/run/{self.netns}",
                     "--pidfile",
                     str(self.pidfile),
                     "-H",
@@ -127,11 +178,11 @@ class Engine:
         mounts = Path("/proc/mounts").read_text().splitlines()
         for line in reversed(mounts):
             where = line.split()[1]
-            if where.startswith(str(self.root)) or where.startswith(f"/run/{NETNS}"):
+            if where.startswith(str(self.root)) or where.startswith(f"/run/{self.netns}"):
                 subprocess.run(["umount", "-l", where], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
-        shutil.rmtree(f"/run/{NETNS}", ignore_errors=True)
-        subprocess.run(["ip", "netns", "delete", NETNS], capture_output=True)
+        shutil.rmtree(f"/run/{self.netns}", ignore_errors=True)
+        subprocess.run(["ip", "netns", "delete", self.netns], capture_output=True)
 
     def disk_bytes(self) -> int:
         out = subprocess.run(["du", "-sb", str(self.root)], capture_output=True, text=True)

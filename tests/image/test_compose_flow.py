@@ -18,32 +18,20 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-import hostcpu
 from buildfiles import REPO, pins
 from conftest import LOCAL_VERSION, Baked, baked, python_info
-from engine import CPU_COMPOSE, Engine
+from engine import CPU_COMPOSE, CPU_VARIABLES, Engine, Up, passed, stood_in_reads
 
 pytestmark = pytest.mark.image
 
 MOUNTED_MODE = "instanttensor"  # differs from the baked file's mode (auto)
 ENV_MODE = "auto"
-#: compose.yaml's variables as a user of a CPU host sets them (tests/image/cpu-compose.yaml).
-CPU_VARIABLES = {
-    "CHECKPOINT_ARCH": "deepseek_v3",
-    "CHECKPOINT_PRESET": "cpu",
-    "MAX_MODEL_LEN": "1024",
-    "CPU_DTYPE": hostcpu.serving_dtype(),  # tests/hostcpu.py: bfloat16 where AMX_MLA serves
-}
-
-
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 @pytest.fixture(scope="module")
@@ -51,28 +39,6 @@ def custom_toml(work: Path) -> Path:
     path = work / "my-hybrid-draft.toml"
     path.write_text(f'[draft]\nmode = "{MOUNTED_MODE}"\n')
     return path
-
-
-@dataclass
-class Up:
-    """One ``docker compose up``: its exit status, its output, the events volume's files."""
-
-    returncode: int
-    output: str
-    events_dir: Path
-
-    def service(self, name: str) -> str:
-        """The lines of one service's output (compose prefixes each with ``name-N  | ``)."""
-        prefix = re.compile(rf"^{re.escape(name)}-\d+\s+\| ?")
-        # compose 2.26 starts each log line with an erase-line code even with --ansi never
-        lines = (ANSI.sub("", ln) for ln in self.output.splitlines())
-        return "\n".join(prefix.sub("", ln) for ln in lines if prefix.match(ln))
-
-    def events(self, name: str = "hybrid-draft.jsonl") -> list[dict[str, Any]]:
-        path = self.events_dir / name
-        if not path.exists():
-            return []
-        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
 def variables_for(image: Baked, extra: dict[str, str]) -> dict[str, str]:
@@ -114,18 +80,6 @@ def up(
     out = engine.up(variables, log)
     figures[f"compose_up_{name}_s"] = time.monotonic() - start
     return Up(out.returncode, out.stdout, engine.volume_path("events"))
-
-
-def passed(result: Up) -> str:
-    smoke = result.service("smoke")
-    assert result.returncode == 0, result.output[-8000:]
-    assert "FAIL" not in smoke and re.search(r"^smoke: \d+ passed, 0 failed$", smoke, re.M), smoke
-    return smoke
-
-
-def stood_in_reads(result: Up) -> list[dict[str, Any]]:
-    """The loads that went through the stand-in for InstantTensor's GPU read."""
-    return [e for e in result.events("standin.jsonl") if e.get("event") == "call"]
 
 
 def decision(events: list[dict[str, Any]], role: str) -> dict[str, Any]:
