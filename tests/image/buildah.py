@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PREFIX = "hybrid-draft-image-test-"
+#: HYBRID_DRAFT_IMAGE_TEST_PREFIX names another, so that two runs on one machine (each in its
+#: own checkout) never remove each other's containers or network namespaces.
+PREFIX = os.environ.get("HYBRID_DRAFT_IMAGE_TEST_PREFIX", "hybrid-draft-image-test-")
 ISOLATION = "chroot"
 
 

@@ -153,6 +153,8 @@ class Bases:
             elif kind == "local-version":
                 made = localbase.variant(self["official"], kind, LOCAL_VERSION_SCRIPT)
                 self._tags[kind] = made
+            elif kind == "arm64":
+                self._tags[kind] = localbase.arm64(timings, WORK)
             elif kind == "stacked-mod":
                 made = localbase.variant(self["official"], kind, textmod.APPLY)
                 self._tags[kind] = made
@@ -290,6 +292,12 @@ BAKE: dict[str, tuple[str, dict[str, str], str]] = {
     "local-version": (
         "local",
         {"REPOSITORY": "hybrid-draft/image-test", "TAG": "local-version"},
+        "BASE_IMAGE",
+    ),
+    # The official target's arm64 half alone, with the default (docker driver) builder.
+    "arm64": (
+        "official",
+        {"PLATFORMS": "linux/arm64", "REPOSITORY": "hybrid-draft/image-test", "TAG": "arm64"},
         "BASE_IMAGE",
     ),
 }

@@ -9,7 +9,11 @@ scratch``) and install vLLM's CPU build from the shared wheelhouse (scripts/cpu-
 - ``official-nonroot``: the official one with upstream's vllm-openai-nonroot stage applied
   (USER vllm, WORKDIR /home/vllm, the non-root entrypoint);
 - further variants of a base made by a shell script in a container (:func:`variant`): a
-  source-built vLLM's local version string, a text-patched ``get_model``.
+  source-built vLLM's local version string, a text-patched ``get_model``;
+- ``arm64`` (:func:`arm64`): a linux/arm64 stand-in for the official image's arm64 half, an
+  arm64 Debian (debootstrap under QEMU) with vLLM's own aarch64 wheels (the CUDA build,
+  pins.txt's ``vllm``) and uv in the system Python's ``dist-packages``, as upstream installs
+  them; the wheels are unpacked by this machine's uv, so only what must run arm64 code does.
 
 Each image is tagged with a hash of what it is built from, so a later run with the same
 inputs reuses it, and one built from older inputs is removed.
@@ -37,6 +41,14 @@ ROOTFS_REPO = "localhost/hybrid-draft/debian"
 BASE_REPO = "localhost/hybrid-draft/vllm-cpu-base"
 OFFICIAL_REPO = "localhost/hybrid-draft/vllm-cpu-official-base"
 VARIANT_REPO = "localhost/hybrid-draft/vllm-cpu-variant"
+ARM64_REPO = "localhost/hybrid-draft/vllm-arm64-base"
+#: The arm64 base's Python (bookworm's python3) and the wheels' platform: bookworm's glibc,
+#: 2.36 (vLLM's own wheel is manylinux_2_28; tilelang, z3-solver and llguidance, which it
+#: requires, have aarch64 wheels for newer glibc only).
+ARM64_PYTHON = "3.11"
+ARM64_WHEEL_PLATFORM = "aarch64-manylinux_2_36"
+#: Debian packages the arm64 root gets from debootstrap (no apt run under QEMU afterwards).
+ARM64_PACKAGES = "python3,ca-certificates,libnuma1"
 BASE_DOCKERFILE = REPO / "docker" / "vllm-cpu-base.Dockerfile"
 OFFICIAL_DOCKERFILE = REPO / "docker" / "vllm-cpu-official-base.Dockerfile"
 CPU_ENV = REPO / "scripts" / "cpu-env.sh"
@@ -245,4 +257,133 @@ def variant(base_tag: str, name: str, script: str) -> str:
     finally:
         ctr.remove()
     _prune(VARIANT_REPO, tag, prefix=f"{name}-")
+    return tag
+
+
+def host_uv(dest: Path) -> Path:
+    """This machine's uv (the wheelhouse's, pins.txt's version), unpacked into ``dest``."""
+    (wheel,) = WHEELHOUSE.glob(f"uv-{pins()['uv']}-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        (member,) = [n for n in zf.namelist() if n.endswith(".data/scripts/uv")]
+        out = dest / "uv"
+        out.write_bytes(zf.read(member))
+    out.chmod(0o755)
+    return out
+
+
+#: The official image's settings that matter here (vLLM 0.33.0, docker/Dockerfile): its uv
+#: settings, `vllm serve` as the entrypoint, root.
+ARM64_CONFIG = (
+    "--arch",
+    "arm64",
+    "--os",
+    "linux",
+    "--env",
+    "UV_HTTP_TIMEOUT=500",
+    "--env",
+    "UV_INDEX_STRATEGY=unsafe-best-match",
+    "--env",
+    "UV_LINK_MODE=copy",
+    "--env",
+    "SSL_CERT_FILE=/etc/ssl/certs/host-ca-bundle.crt",
+    "--entrypoint",
+    '["vllm", "serve"]',
+)
+
+
+def arm64(timings: dict[str, float], log_dir: Path) -> str:
+    """The linux/arm64 stand-in for vllm/vllm-openai (tag), built unless one from the same
+    inputs is there: debootstrap ``--arch=arm64`` (its second stage runs under QEMU through
+    binfmt_misc), then vLLM ``pins.txt``'s version, its aarch64 dependencies (torch with
+    CUDA, the nvidia-* libraries) and uv, all from their ``manylinux_2_28_aarch64`` wheels,
+    unpacked by this machine's uv straight into the root's system ``dist-packages`` (what
+    ``uv pip install --system`` does there), their scripts into /usr/local/bin."""
+    wheelhouse()
+    p = pins()
+    site = f"usr/local/lib/python{ARM64_PYTHON}/dist-packages"
+    tag = f"{ARM64_REPO}:{p['vllm']}-" + _digest(
+        SUITE.encode(),
+        VARIANT.encode(),
+        MIRROR.encode(),
+        ARM64_PACKAGES.encode(),
+        ARM64_WHEEL_PLATFORM.encode(),
+        (REPO / "pins.txt").read_bytes(),
+        CA_BUNDLE.read_bytes(),
+        repr(ARM64_CONFIG).encode(),
+    )
+    if buildah.image_exists(tag):
+        return tag
+    start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="hybrid-draft-arm64-", dir=SCRATCH))
+    root = work / "root"
+    try:
+        with open(log_dir / "arm64-base-build.log", "w") as log:
+            out = subprocess.run(
+                [
+                    "debootstrap",
+                    "--arch=arm64",
+                    f"--variant={VARIANT}",
+                    f"--include={ARM64_PACKAGES}",
+                    SUITE,
+                    str(root),
+                    MIRROR,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"debootstrap --arch=arm64 failed (log: {log.name})")
+            timings["arm64_debootstrap_s"] = time.monotonic() - start
+            installed = time.monotonic()
+            uv = host_uv(work)
+            out = subprocess.run(
+                [
+                    str(uv),
+                    "pip",
+                    "install",
+                    "--no-cache",
+                    "--only-binary",
+                    ":all:",
+                    "--target",
+                    str(root / site),
+                    "--python-platform",
+                    ARM64_WHEEL_PLATFORM,
+                    "--python-version",
+                    ARM64_PYTHON,
+                    f"vllm=={p['vllm']}",
+                    f"uv=={p['uv']}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "SSL_CERT_FILE": str(CA_BUNDLE)},
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"the aarch64 wheels did not install (log: {log.name})")
+            timings["arm64_wheels_s"] = time.monotonic() - installed
+        # Scripts as an installer writes them for the system Python; uv is a binary.
+        for script in (root / site / "bin").iterdir():
+            data = script.read_bytes()
+            if data.startswith(b"#!"):
+                data = b"#!/usr/bin/python3\n" + data.split(b"\n", 1)[1]
+            dest = root / "usr" / "local" / "bin" / script.name
+            dest.write_bytes(data)
+            dest.chmod(0o755)
+        shutil.rmtree(root / site / "bin")
+        (root / site / ".lock").unlink(missing_ok=True)  # uv's, for --target
+        for marker in (root / "usr" / "lib").glob("python3.*/EXTERNALLY-MANAGED"):
+            marker.unlink()
+        shutil.copy(CA_BUNDLE, root / "etc" / "ssl" / "certs" / "host-ca-bundle.crt")
+        shutil.rmtree(root / "var" / "lib" / "apt" / "lists", ignore_errors=True)
+        (root / "var" / "lib" / "apt" / "lists").mkdir()
+        ctr = buildah.buildah("from", "--arch", "arm64", "scratch").stdout.strip()
+        try:
+            buildah.buildah("copy", "--quiet", ctr, str(root), "/")
+            buildah.buildah("config", *ARM64_CONFIG, ctr)
+            buildah.buildah("commit", "--quiet", ctr, tag)
+        finally:
+            buildah.buildah("rm", ctr, check=False)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _prune(ARM64_REPO, tag)
+    timings["arm64_base_s"] = time.monotonic() - start
     return tag
