@@ -8,6 +8,7 @@ so a run that was killed half-way leaves nothing the next run does not remove.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
