@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import json
 import math
 import os
 import struct
@@ -336,6 +337,25 @@ def _metadata(path: str, value: Any) -> None:
             )
 
 
+def _no_repeated_key(text: str, header: Any) -> bool:
+    """Whether no JSON object in ``text`` (parsed, without \\u escapes, into ``header``) repeats
+    a key, which a dict would hide. Every ``:`` of the text is a member's or inside a string;
+    a repeated member leaves its ``:`` in the text but not in the parse. So the members and
+    the colons inside strings counted in the parse (a count that may miss some, never one
+    too many) equal the text's colons only when nothing was repeated and nothing missed;
+    otherwise the header is parsed again with every repeat kept (:class:`_Repeated`)."""
+    if type(header) is not dict:
+        return False
+    counted = len(header) + "".join(header).count(":")
+    for name, meta in header.items():
+        if type(meta) is dict:
+            counted += len(meta)
+            if name == "__metadata__":
+                counted += "".join(meta).count(":")
+                counted += "".join(v for v in meta.values() if type(v) is str).count(":")
+    return counted == text.count(":")
+
+
 def _parse(path: str, data: bytes) -> Any:
     try:
         text = data.decode("utf-8")
@@ -343,13 +363,17 @@ def _parse(path: str, data: bytes) -> Any:
         raise CheckpointError(
             f"{path}: header is not UTF-8: {exc.reason} at byte {8 + exc.start:,}"
         ) from None
-    hooks: dict[str, Any] = {
-        "object_pairs_hook": _object,
-        "parse_constant": _constant,
-        "parse_float": _float,
-    }
+    hooks: dict[str, Any] = {"parse_constant": _constant, "parse_float": _float}
     if "-0" in text:  # serde_json reads -0 as a float, never a size: parse it as one
         hooks["parse_int"] = _int
+    if "\\u" not in text:  # the common header: parsed into dicts, repeats ruled out after
+        try:
+            header = json.loads(text, **hooks)
+        except (ValueError, TypeError, RecursionError, MemoryError):
+            header = None  # said exactly by the parse below
+        if header is not None and _no_repeated_key(text, header):
+            return header
+    hooks["object_pairs_hook"] = _object
     try:
         header = files.parse_json(text, path, "JSON", **hooks)
     except files.FileProblem as exc:
