@@ -344,15 +344,13 @@ def _no_repeated_key(text: str, header: Any) -> bool:
     the colons inside strings counted in the parse (a count that may miss some, never one
     too many) equal the text's colons only when nothing was repeated and nothing missed;
     otherwise the header is parsed again with every repeat kept (:class:`_Repeated`)."""
-    if type(header) is not dict:
-        return False
-    counted = len(header) + "".join(header).count(":")
-    for name, meta in header.items():
-        if type(meta) is dict:
-            counted += len(meta)
-            if name == "__metadata__":
-                counted += "".join(meta).count(":")
-                counted += "".join(v for v in meta.values() if type(v) is str).count(":")
+    if type(header) is not dict or set(map(type, header.values())) - {dict}:
+        return False  # an entry that is not an object: counted the long way
+    counted = len(header) + "".join(header).count(":") + sum(map(len, header.values()))
+    metadata = header.get("__metadata__")
+    if metadata:
+        counted += "".join(metadata).count(":")
+        counted += "".join(v for v in metadata.values() if type(v) is str).count(":")
     return counted == text.count(":")
 
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-from hybrid_draft import checkpoint
 from hybrid_draft.checkpoint import Selection, Shard, TensorInfo
 
 Rule = Callable[[str], bool]
@@ -126,10 +125,22 @@ class DraftPlan:
     @cached_property
     def kept(self) -> tuple[TensorInfo, ...]:
         """Every tensor the rule keeps, in file order (empty without a rule)."""
+        return tuple(t for _, tensors in self.kept_by_shard for t in tensors)
+
+    @cached_property
+    def kept_by_shard(self) -> tuple[tuple[Shard, tuple[TensorInfo, ...]], ...]:
+        """The kept tensors of each shard holding one, in file order: what every selection
+        starts from, so that a load's selection walks the draft's tensors, not the
+        checkpoint's (92,000 on DeepSeek-V3)."""
         unused = self.is_unused
         if unused is None:
             return ()
-        return tuple(t for s in self.shards for t in s.tensors if not unused(t.name))
+        out = []
+        for shard in self.shards:
+            tensors = tuple(t for t in shard.tensors if not unused(t.name))
+            if tensors:
+                out.append((shard, tensors))
+        return tuple(out)
 
     @cached_property
     def replaced(self) -> dict[str, SharedKind]:
@@ -149,10 +160,16 @@ class DraftPlan:
         """What the draft reads: the kept tensors but ``replaced`` (default: all the
         replaced ones) and any ``skip`` says no to (another rank's experts, held ones)."""
         dropped = set(self.replaced if replaced is None else replaced)
-        wanted = {t.name for t in self.kept} - dropped
-        return checkpoint.selection(
-            self.shards, lambda t: t.name in wanted and not (skip is not None and skip(t.name))
-        )
+        tensors: dict[str, list[TensorInfo]] = {}
+        shards: dict[str, Shard] = {}
+        for shard, kept in self.kept_by_shard:
+            chosen = [
+                t for t in kept if t.name not in dropped and not (skip is not None and skip(t.name))
+            ]
+            if chosen:
+                key = str(shard.path)
+                tensors[key], shards[key] = chosen, shard
+        return Selection(tensors, shards)
 
     @cached_property
     def selective_blocker(self) -> Blocker | None:
