@@ -435,12 +435,12 @@ def test_mimo_layout_matches_the_published_index(mimo: Path) -> None:
 def test_plan_mimo_without_remote_code(mimo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``model_type: mimo`` is not one transformers knows and the config names
     ``configuration_mimo.MiMoConfig``: plan reads it as a plain config instead."""
-    from hybrid_draft.adapter import drafts
+    from hybrid_draft.tools import draftinfo
 
     result = plan_json(capsys, mimo)
     assert result["draft_class"] == "MiMoMTP"
     # The class's rule, whoever ships it (vLLM 0.33 has none; hybrid-draft may add one).
-    draft = drafts.mtp_draft(str(mimo))
+    draft = draftinfo.mtp_draft(str(mimo))
     contents = shard_contents(mimo)
     assert rows(result) == expected(contents, draft.is_unused, draft.vllm_rule)
     codes = [w["code"] for w in result["warnings"]]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_draft import checkpoint, planning
-from hybrid_draft.tools import synth
+from hybrid_draft.tools import modes, synth
 
 
 @pytest.mark.parametrize(
@@ -86,11 +86,11 @@ def test_the_hold_budget_decides_stream_against_storage(
     assert plan.holdable(0) == []
     half = plan.holdable(everything // 2)
     assert 0 < sum(t.nbytes for t in half) <= everything // 2
-    rows = plan.modes(hold_budget=everything // 2)
+    rows = modes.rows(plan, hold_budget=everything // 2)
     one = rows["one_pass"]
     assert one.extra["stream"] == planning.counts(half)
     assert one.nbytes == everything - one.extra["stream"]["bytes"]
-    assert plan.modes(hold_budget=everything)["one_pass"].nbytes == 0
+    assert modes.rows(plan, hold_budget=everything)["one_pass"].nbytes == 0
     assert plan.sources(t.name for t in half)["stream"] == planning.counts(half)
 
 
@@ -114,8 +114,8 @@ def test_without_a_rule_nothing_is_planned(deepseek_plan: planning.DraftPlan) ->
         "no_rule",
         "DeepSeekMTP has no checkpoint-weight rule to plan its tensors with",
     )
-    assert "one_pass" not in plan.modes(hold_budget=1 << 30)
-    assert plan.modes()["auto"].tensors is None
+    assert "one_pass" not in modes.rows(plan, hold_budget=1 << 30)
+    assert modes.rows(plan)["auto"].tensors is None
     assert [w["code"] for w in plan.warnings()] == ["no_rule"]
 
 

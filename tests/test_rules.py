@@ -478,8 +478,33 @@ def test_rules_never_raise_and_answer_a_bool(vllm_runtime: Any) -> None:
     ]
     for rule in rules.RULES.values():
         for config in configs:
+            bound = rule.bind(config)  # what a plan asks, the config read once
             for name in names:
                 assert isinstance(rule.is_unused(config, name), bool)
+                assert bound(name) is rule.is_unused(config, name)
+
+
+def test_a_bound_rule_answers_as_the_rule(vllm_runtime: Any) -> None:
+    """A plan asks the bound rule of every tensor; it answers as the per-name rule does."""
+    from hybrid_draft.adapter import rules
+
+    configs = [
+        types.SimpleNamespace(num_hidden_layers=2, num_nextn_predict_layers=1),
+        types.SimpleNamespace(
+            num_hidden_layers=3, num_nextn_predict_layers=2, tie_word_embeddings=True
+        ),
+        types.SimpleNamespace(text_config=types.SimpleNamespace(num_hidden_layers=1)),
+    ]
+    names = [
+        f"{prefix}{i}.{rest}"
+        for prefix in (*rules.SPEC_PREFIXES, "model.mtp.layers.", "mtp.layers.")
+        for i in range(6)
+        for rest in ("eh_proj.weight", "embed_tokens.weight", "shared_head.head.weight")
+    ] + ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "mtp.fc.weight"]
+    for rule in rules.RULES.values():
+        for config in configs:
+            bound = rule.bind(config)
+            assert [bound(n) for n in names] == [rule.is_unused(config, n) for n in names]
 
 
 def test_every_shipped_rule_has_a_proof_on_real_vllm(vllm_runtime: Any) -> None:

@@ -132,6 +132,16 @@ CORPUS: dict[str, tuple[str, int, bytes]] = {
         b"",
     ),
     "name_repeated_first_invalid": (h('{"a":{},"a":{@G}}'), 8, b""),
+    # A repeat whose colon a colon inside a string could stand for, or an escape could hide.
+    "field_repeated_name_with_colons": (h('{"a::":{@G,"dtype":"F32"}}'), 8, b""),
+    "metadata_key_repeated_value_colon": (
+        h('{"__metadata__":{"x":"1:2","x":"2"},"a":{@G}}'),
+        8,
+        b"",
+    ),
+    "field_repeated_escaped_colon": (h('{"a\\u003a":{@G,"dtype":"F32"}}'), 8, b""),
+    "name_repeated_with_colon": (h('{"a:b":{@G},"a:b":{@G}}'), 8, b""),
+    "metadata_value_colons": (h('{"__metadata__":{"t:":"12:00:00"},"a:":{@G}}'), 8, b""),
     "data_short": (h('{"a":{@G}}'), 4, b""),
     "data_trailing": (h('{"a":{@G}}'), 8, b"x"),
     "not_an_object": ("[1,2]", 0, b""),

@@ -15,8 +15,10 @@ a Hugging Face cache snapshot, into the cache's ``blobs``. Stdlib only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import hashlib
+import json
 import math
 import os
 import struct
@@ -114,9 +116,10 @@ class Shard:
         """The file's size as its header describes it (the data ends the file)."""
         return self.tensors[-1].end if self.tensors else 0
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        """The tensors' bytes (asked for per row of a plan: summed once)."""
+        return sum(t.end - t.start for t in self.tensors)
 
 
 class CheckpointError(ValueError):
@@ -334,6 +337,23 @@ def _metadata(path: str, value: Any) -> None:
             )
 
 
+def _no_repeated_key(text: str, header: Any) -> bool:
+    """Whether no JSON object in ``text`` (parsed, without \\u escapes, into ``header``) repeats
+    a key, which a dict would hide. Every ``:`` of the text is a member's or inside a string;
+    a repeated member leaves its ``:`` in the text but not in the parse. So the members and
+    the colons inside strings counted in the parse (a count that may miss some, never one
+    too many) equal the text's colons only when nothing was repeated and nothing missed;
+    otherwise the header is parsed again with every repeat kept (:class:`_Repeated`)."""
+    if type(header) is not dict or set(map(type, header.values())) - {dict}:
+        return False  # an entry that is not an object: counted the long way
+    counted = len(header) + "".join(header).count(":") + sum(map(len, header.values()))
+    metadata = header.get("__metadata__")
+    if metadata:
+        counted += "".join(metadata).count(":")
+        counted += "".join(v for v in metadata.values() if type(v) is str).count(":")
+    return counted == text.count(":")
+
+
 def _parse(path: str, data: bytes) -> Any:
     try:
         text = data.decode("utf-8")
@@ -341,13 +361,17 @@ def _parse(path: str, data: bytes) -> Any:
         raise CheckpointError(
             f"{path}: header is not UTF-8: {exc.reason} at byte {8 + exc.start:,}"
         ) from None
-    hooks: dict[str, Any] = {
-        "object_pairs_hook": _object,
-        "parse_constant": _constant,
-        "parse_float": _float,
-    }
+    hooks: dict[str, Any] = {"parse_constant": _constant, "parse_float": _float}
     if "-0" in text:  # serde_json reads -0 as a float, never a size: parse it as one
         hooks["parse_int"] = _int
+    if "\\u" not in text:  # the common header: parsed into dicts, repeats ruled out after
+        try:
+            header = json.loads(text, **hooks)
+        except (ValueError, TypeError, RecursionError, MemoryError):
+            header = None  # said exactly by the parse below
+        if header is not None and _no_repeated_key(text, header):
+            return header
+    hooks["object_pairs_hook"] = _object
     try:
         header = files.parse_json(text, path, "JSON", **hooks)
     except files.FileProblem as exc:

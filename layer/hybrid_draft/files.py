@@ -38,6 +38,11 @@ def one_line(text: str, limit: int = 300) -> str:
     return folded if len(folded) <= limit else folded[: limit - 3] + "..."
 
 
+def error_line(exc: BaseException) -> str:
+    """An exception's message on one line (:func:`one_line`), or its type when it has none."""
+    return one_line(str(exc)) or type(exc).__name__
+
+
 def show(value: object, limit: int = SHOW_LIMIT) -> str:
     """``repr(value)`` cut to ``limit`` characters: an input quoted in an error message."""
     try:

@@ -10,38 +10,17 @@ ones behind the modules vLLM's proposer replaces with the target's right after t
 loads (:func:`shared_kind`: the input embedding; the LM head and each MTP layer's
 ``shared_head.head``) are never read on this layer's draft paths: ``replaced``.
 
-The rows of :meth:`DraftPlan.modes` follow from what vLLM 0.33's loaders and this layer's
-do with the checkpoint:
-
-- ``instanttensor``: stock vLLM's second pass (no hybrid-draft): every tensor of every
-  shard it opens; shards are dropped only by a rule vLLM itself ships;
-- ``instanttensor_pruned``: mode ``instanttensor``: the same pass over the shards the
-  draft's rule leaves (vLLM's or this layer's);
-- ``lazy``: stock vLLM lazy safetensors: the same shards as stock InstantTensor, copying
-  out what the draft keeps; vLLM's iterator calls ``get_tensor`` on every tensor, which
-  maps it and faults in its first pages (up to about two readahead windows of each);
-- ``lazy_pruned``: the same iterator over the rule-pruned shards (a user's own lazy
-  ``draft_load_config``);
-- ``auto``: modes ``auto`` and ``safetensors`` (and the selective fallback): lazy
-  safetensors over the shards holding a kept tensor, taking only the kept tensors that
-  vLLM does not replace (``safetensors_filtered``); with no rule, stock lazy safetensors;
-- ``selective``: InstantTensor streaming the same tensors; where it cannot run here the
-  ``auto`` row plus the ``fallback`` code and ``detail``;
-- ``one_pass``: the target's InstantTensor pass keeps the draft's tensors for it, up to
-  the hold budget; the row is what the draft still reads from storage.
-
-Per row: ``shards`` (files opened), ``tensors`` and ``bytes`` (read whole; null where the
-class has no rule) and ``touched_tensors`` (tensors the loader opens at all).
+What each mode reads of the plan, the rows of ``hybrid-draft plan``, is
+:mod:`hybrid_draft.tools.modes`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal
+from typing import Literal
 
-from hybrid_draft import checkpoint, policy
 from hybrid_draft.checkpoint import Selection, Shard, TensorInfo
 
 Rule = Callable[[str], bool]
@@ -96,65 +75,6 @@ def shared_kind(name: str) -> SharedKind | None:
     return None
 
 
-@dataclass(frozen=True)
-class Reads:
-    shards: list[str]
-    #: Tensors read whole and their bytes (None: unknown, the class has no rule).
-    tensors: int | None
-    nbytes: int | None
-    #: Tensors the loader opens at all (for stock lazy: every tensor of its shards).
-    touched_tensors: int
-    #: Why a mode falls back to another row here (a ``selective_fallback`` code), and how.
-    fallback: str | None = None
-    detail: str | None = None
-    #: Further keys of the row (``one_pass``: what the target's stream carries).
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "shards": self.shards,
-            "tensors": self.tensors,
-            "bytes": self.nbytes,
-            "touched_tensors": self.touched_tensors,
-            **self.extra,
-        }
-        if self.fallback:
-            out.update(fallback=self.fallback, detail=self.detail)
-        return out
-
-
-def prune(shards: Iterable[Shard], is_unused: Rule | None) -> list[Shard]:
-    """vLLM's ``filter_safetensors_files_by_weight_name``: drop all-unused shards (never all)."""
-    shards = list(shards)
-    if is_unused is None:
-        return shards
-    kept = [s for s in shards if not all(is_unused(t.name) for t in s.tensors)]
-    return kept or shards
-
-
-def _whole(shards: list[Shard]) -> Reads:
-    count = sum(len(s.tensors) for s in shards)
-    return Reads([s.name for s in shards], count, sum(s.nbytes for s in shards), count)
-
-
-def _lazy(shards: list[Shard], is_unused: Rule | None) -> Reads:
-    """vLLM's lazy iterator: touches every tensor, the draft copies what it keeps."""
-    touched = sum(len(s.tensors) for s in shards)
-    if is_unused is None:
-        return Reads([s.name for s in shards], None, None, touched)
-    kept = [t for s in shards for t in s.tensors if not is_unused(t.name)]
-    return Reads([s.name for s in shards], len(kept), sum(t.nbytes for t in kept), touched)
-
-
-def _reads(selection: Selection) -> Reads:
-    count = len(selection.names)
-    return Reads([_base(f) for f in selection.files], count, selection.nbytes, count)
-
-
-def _base(path: str) -> str:
-    return path.rsplit("/", 1)[-1]
-
-
 def evaluated(shards: Iterable[Shard], rule: Rule | None) -> Rule | None:
     """The rule as a set lookup: evaluated once per name, however many rows ask."""
     if rule is None or isinstance(getattr(rule, "__self__", None), set):
@@ -205,10 +125,22 @@ class DraftPlan:
     @cached_property
     def kept(self) -> tuple[TensorInfo, ...]:
         """Every tensor the rule keeps, in file order (empty without a rule)."""
+        return tuple(t for _, tensors in self.kept_by_shard for t in tensors)
+
+    @cached_property
+    def kept_by_shard(self) -> tuple[tuple[Shard, tuple[TensorInfo, ...]], ...]:
+        """The kept tensors of each shard holding one, in file order: what every selection
+        starts from, so that a load's selection walks the draft's tensors, not the
+        checkpoint's (92,000 on DeepSeek-V3)."""
         unused = self.is_unused
         if unused is None:
             return ()
-        return tuple(t for s in self.shards for t in s.tensors if not unused(t.name))
+        out = []
+        for shard in self.shards:
+            tensors = tuple(t for t in shard.tensors if not unused(t.name))
+            if tensors:
+                out.append((shard, tensors))
+        return tuple(out)
 
     @cached_property
     def replaced(self) -> dict[str, SharedKind]:
@@ -228,10 +160,16 @@ class DraftPlan:
         """What the draft reads: the kept tensors but ``replaced`` (default: all the
         replaced ones) and any ``skip`` says no to (another rank's experts, held ones)."""
         dropped = set(self.replaced if replaced is None else replaced)
-        wanted = {t.name for t in self.kept} - dropped
-        return checkpoint.selection(
-            self.shards, lambda t: t.name in wanted and not (skip is not None and skip(t.name))
-        )
+        tensors: dict[str, list[TensorInfo]] = {}
+        shards: dict[str, Shard] = {}
+        for shard, kept in self.kept_by_shard:
+            chosen = [
+                t for t in kept if t.name not in dropped and not (skip is not None and skip(t.name))
+            ]
+            if chosen:
+                key = str(shard.path)
+                tensors[key], shards[key] = chosen, shard
+        return Selection(tensors, shards)
 
     @cached_property
     def selective_blocker(self) -> Blocker | None:
@@ -284,44 +222,6 @@ class DraftPlan:
                 total += t.nbytes
         return out
 
-    def modes(self, hold_budget: int | None = None) -> dict[str, Reads]:
-        """Reads per row (see the module doc); ``one_pass`` when a hold budget is given."""
-        unused = self.is_unused
-        stock = prune(self.shards, self.vllm_unused)
-        pruned = prune(self.shards, unused)
-        if unused is None:
-            auto = _lazy(list(self.shards), None)
-        elif self.kept:
-            auto = _reads(self.selection())
-        else:  # a rule that keeps nothing: vLLM's own lazy path (which then fails)
-            auto = _lazy(pruned, unused)
-        blocker = self.selective_blocker
-        selective = (
-            Reads(auto.shards, auto.tensors, auto.nbytes, auto.touched_tensors, *blocker)
-            if blocker
-            else auto
-        )
-        rows = {
-            "instanttensor": _whole(stock),
-            "instanttensor_pruned": _whole(pruned),
-            "lazy": _lazy(stock, unused),
-            "lazy_pruned": _lazy(pruned, unused),
-            "auto": auto,
-            "selective": selective,
-        }
-        if hold_budget is not None and unused is not None and self.kept:
-            held = {t.name for t in self.holdable(hold_budget)}
-            rest = _reads(self.selection(skip=held.__contains__))
-            stream = counts(t for t in self.kept if t.name in held)
-            rows["one_pass"] = Reads(
-                rest.shards,
-                rest.tensors,
-                rest.nbytes,
-                rest.touched_tensors,
-                extra={"stream": stream, "hold_budget": hold_budget},
-            )
-        return rows
-
     def warnings(self) -> list[dict[str, str]]:
         """What would make this draft's load fail or waste reads (codes: :data:`WARNINGS`);
         the config's own findings (``notes``) first."""
@@ -365,46 +265,3 @@ class DraftPlan:
                 }
             )
         return out
-
-    def report(self, model_dir: str, hold_budget: int | None = None) -> dict[str, Any]:
-        """The JSON object of ``plan --json``."""
-        decision = auto_decision()
-        auto: dict[str, Any] = {
-            "action": decision.action,
-            "reason": decision.reason,
-            "chosen_format": decision.chosen_format,
-        }
-        if decision.chosen_format == policy.SAFETENSORS:
-            auto["tensor_filter"] = self.rule_source != "none"
-        by_name = {t.name: t for t in self.kept}
-        return {
-            "model_dir": model_dir,
-            "draft_class": self.draft_class,
-            "rule_source": self.rule_source,
-            "checkpoint": {
-                "shards": len(self.shards),
-                "tensors": self.all_tensors,
-                "bytes": self.all_bytes,
-            },
-            "auto": auto,
-            "replaced_by_target": {
-                **counts(by_name[n] for n in self.replaced),
-                "modules": sorted(set(self.replaced.values())),
-                "names": sorted(self.replaced),
-            },
-            "modes": {name: r.as_dict() for name, r in self.modes(hold_budget).items()},
-            "warnings": self.warnings(),
-        }
-
-
-def auto_decision() -> policy.Decision:
-    """What mode ``auto`` decides for a same-checkpoint draft of an InstantTensor target."""
-    same = policy.Checkpoint(model=".")
-    request = policy.Request(
-        role="draft",
-        requested_format=policy.INSTANTTENSOR,
-        method="mtp",
-        model=same,
-        target=same,
-    )
-    return policy.decide(request, "auto")

@@ -4,9 +4,9 @@ At load time (:func:`for_call`): the shard files vLLM's own ``DefaultModelLoader
 for the draft's model and revision (downloading from the hub as vLLM would), each header
 read once, the class vLLM's registry builds, its checkpoint-weight rule probed with the
 config the built class holds (``rules.probe_for``), what vLLM will replace once it is
-loaded (``sharing.expected``) and whether selective streaming can run on this host. For
-``hybrid-draft plan`` (:func:`for_model_dir`): the same from a model directory, with the
-config read as vLLM reads it and the shards resolved as the layer resolves them.
+loaded (``sharing.expected``) and whether selective streaming can run on this host. The
+same from a model directory, for ``hybrid-draft plan``, is
+``hybrid_draft.tools.draftinfo.for_model_dir``.
 """
 
 from __future__ import annotations
@@ -72,33 +72,3 @@ def for_call(call: calls.Call, skip_replaced: bool = True) -> DraftPlan | None:
         mtp_layers=drafts.mtp_layers(call.model_config.hf_config),
         host_blocker=selective.host_blocker(device_of(call)),
     )
-
-
-def for_model_dir(
-    model_dir: str, trust_remote_code: bool = False, skip_replaced: bool = True
-) -> DraftPlan:
-    """The plan of a same-checkpoint MTP draft of ``model_dir`` (for ``hybrid-draft plan``).
-
-    Raises ``checkpoint.CheckpointError`` or ``drafts.PlanError`` (one line each)."""
-    shards = tuple(checkpoint.read_checkpoint(model_dir))
-    draft = drafts.mtp_draft(model_dir, trust_remote_code=trust_remote_code)
-    try:  # a rule reads the config: one that lacks what it needs fails here
-        plan = DraftPlan(
-            shards=shards,
-            draft_class=draft.draft_class,
-            rule_source=draft.rule_source,
-            rule=draft.is_unused,
-            vllm_rule=draft.vllm_rule,
-            shared=draft.shared if skip_replaced else frozenset(),
-            mtp_layers=draft.mtp_layers,
-            notes=draft.notes,
-            host_blocker=selective.host_blocker(),
-        )
-        plan.is_unused  # noqa: B018 - evaluate the rule here, once
-        plan.vllm_unused  # noqa: B018
-    except Exception as exc:
-        raise drafts.PlanError(
-            f"{model_dir}: the {draft.draft_class} weight rule fails on this config: "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
-    return plan

@@ -542,6 +542,29 @@ def config_registry() -> Mapping[str, object]:
     return registry
 
 
+def load_model_class(architecture: str) -> type | None:
+    """The class vLLM's registry imports for ``architecture`` (None: it cannot)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    cls: type | None = ModelRegistry._try_load_model_cls(architecture)
+    return cls
+
+
+def speculative_architectures() -> dict[str, tuple[str, str]]:
+    """vLLM's speculative-decoding architectures: module and class name of each (``"?"``
+    where its registry does not say)."""
+    from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS, ModelRegistry
+
+    out = {}
+    for arch in _SPECULATIVE_DECODING_MODELS:
+        registered = ModelRegistry.models.get(arch)
+        out[arch] = (
+            str(getattr(registered, "module_name", "?")),
+            str(getattr(registered, "class_name", "?")),
+        )
+    return out
+
+
 @functools.cache
 def share_mechanism_problem() -> str | None:
     """Why this vLLM's proposers will not replace an MTP draft's embedding and head with

@@ -106,26 +106,41 @@ class Keep:
     def is_unused(self, config: Any, name: str) -> bool:
         """Whether ``load_weights`` leaves the checkpoint tensor ``name`` unread."""
         try:
-            return self._unused(config, name)
+            return self._judge(_View(self, config), name)
         except Exception:  # a rule must never fail a load: keep what it cannot judge
             return False
 
-    def _unused(self, config: Any, name: str) -> bool:
-        if self.text_config:
-            config = getattr(config, "text_config", None) or config
+    def bind(self, config: Any) -> Callable[[str], bool]:
+        """:meth:`is_unused` for one config whose values are read once, not once per name: a
+        plan asks for every tensor (92,000 on DeepSeek-V3), and a transformers config's
+        attribute costs more than the rule itself."""
+        try:
+            view = _View(self, config)
+        except Exception:
+            return lambda name: self.is_unused(config, name)
+
+        def is_unused(name: str) -> bool:
+            try:
+                return self._judge(view, name)
+            except Exception:  # as is_unused: keep what it cannot judge
+                return False
+
+        return is_unused
+
+    def _judge(self, view: _View, name: str) -> bool:
         for old, new in self.rename:
             if name.startswith(old):
                 name = new + name[len(old) :]
                 break
         if any(s in name for s in self.drop):
             return True
-        if any(name == n and getattr(config, flag, False) for n, flag in self.dropped_if):
+        if any(name == n and view.flag(flag) for n, flag in self.dropped_if):
             return True
         for layers in (self.layers,) if isinstance(self.layers, Layers) else self.layers or ():
             if (found := layers.index(name)) is None:
                 continue
             number, rest = found
-            first, count = layers.span(config)
+            first, count = view.span(layers)
             if not first <= number < first + count:
                 return True  # a target layer, or an MTP layer the draft does not build
             if any(s in rest for s in layers.drop):
@@ -135,7 +150,30 @@ class Keep:
             return False
         if any(s in name for s in self.contains):
             return False
-        return not any(name == n and getattr(config, flag, False) for n, flag in self.kept_if)
+        return not any(name == n and view.flag(flag) for n, flag in self.kept_if)
+
+
+class _View:
+    """The config values one rule reads, each read the first time it is asked for (a value
+    that cannot be read raises each time, as reading it directly would)."""
+
+    def __init__(self, keep: Keep, config: Any) -> None:
+        if keep.text_config:
+            config = getattr(config, "text_config", None) or config
+        self.config = config
+        self._spans: dict[int, tuple[int, int]] = {}
+        self._flags: dict[str, Any] = {}
+
+    def span(self, layers: Layers) -> tuple[int, int]:
+        key = id(layers)
+        if key not in self._spans:
+            self._spans[key] = layers.span(self.config)
+        return self._spans[key]
+
+    def flag(self, name: str) -> Any:
+        if name not in self._flags:
+            self._flags[name] = getattr(self.config, name, False)
+        return self._flags[name]
 
 
 def _hy_v4_mtp_layers(config: Any) -> int:
@@ -358,7 +396,7 @@ def install(cls: type) -> str:
         return rule.is_unused(self.config, name)
 
     is_unused_checkpoint_weight.__doc__ = f"hybrid-draft rule: {rule.doc}"
-    setattr(is_unused_checkpoint_weight, _MARK, True)
+    setattr(is_unused_checkpoint_weight, _MARK, (rule, derived_from))
     cls.is_unused_checkpoint_weight = is_unused_checkpoint_weight  # type: ignore[attr-defined]
     return source
 
@@ -383,8 +421,13 @@ def probe(cls: type, config: Any) -> Callable[[str], bool] | None:
     Rules read only ``self.config`` (vLLM's and ours), so an instance that was never
     initialised, holding just the draft's config, answers exactly as the model would.
     """
-    if getattr(cls, "is_unused_checkpoint_weight", None) is None:
+    method = getattr(cls, "is_unused_checkpoint_weight", None)
+    if method is None:
         return None
+    ours = getattr(method, _MARK, None)
+    if isinstance(ours, tuple) and getattr(cls, "load_weights", None) is ours[1]:
+        keep: Keep = ours[0]
+        return keep.bind(config)  # our rule, as the installed method answers, read once
     stub: Any = object.__new__(cls)
     object.__setattr__(stub, "config", config)
     return lambda name: bool(stub.is_unused_checkpoint_weight(name))

@@ -64,9 +64,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _rules(args: argparse.Namespace) -> int:
-    from hybrid_draft.adapter import drafts, internals
+    from hybrid_draft.adapter import internals
+    from hybrid_draft.tools import draftinfo
 
-    classes = drafts.draft_classes()
+    classes = draftinfo.draft_classes()
     if args.json:
         print(json.dumps({"vllm_version": internals.vllm_version(), "classes": classes}, indent=2))
         return 0
@@ -75,7 +76,7 @@ def _rules(args: argparse.Namespace) -> int:
     columns = [(h, "left") for h in ("architecture", "class", "kind", "rule", "detail")]
     rows = [[c["architecture"], c["class"], c["kind"], c["rule"], c["detail"]] for c in classes]
     print(tables.render(columns, rows))
-    print(drafts.rules_summary(classes))
+    print(draftinfo.rules_summary(classes))
     return 0
 
 

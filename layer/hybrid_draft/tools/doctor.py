@@ -102,9 +102,10 @@ def check_config() -> Check:
 
 def check_rules() -> Check:
     try:
-        from hybrid_draft.adapter import drafts
+        from hybrid_draft.tools import draftinfo
 
-        return True, f"rules: {drafts.rules_summary(drafts.draft_classes(mtp_only=True))}"
+        classes = draftinfo.draft_classes(mtp_only=True)
+        return True, f"rules: {draftinfo.rules_summary(classes)}"
     except Exception as exc:  # the registry's shape changed: report it, never crash
         return False, f"rules: cannot list vLLM's draft classes: {exc!r}"
 

@@ -36,19 +36,19 @@ def _plan_checkpoint(args: argparse.Namespace) -> int:
         except checkpoint.CheckpointError as exc:
             print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
             return 2
-    from hybrid_draft.adapter import draftplan, drafts
+    from hybrid_draft.tools import draftinfo, modes
 
     current, _ = settings.load_lenient()  # what the load would do here, else the defaults
     skip = bool(current.skip_replaced.value) if current else True
     budget = int(current.hold_budget.value) if current else settings.DEFAULT_HOLD_BUDGET
     try:  # every shard checked as safetensors checks it, inside the model directory
-        plan = draftplan.for_model_dir(
+        plan = draftinfo.for_model_dir(
             args.model_dir, trust_remote_code=args.trust_remote_code, skip_replaced=skip
         )
-    except (OSError, checkpoint.CheckpointError, drafts.PlanError) as exc:
+    except (OSError, checkpoint.CheckpointError, draftinfo.PlanError) as exc:
         print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
         return 2
-    result = plan.report(args.model_dir, hold_budget=budget)
+    result = modes.report(plan, args.model_dir, hold_budget=budget)
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
 

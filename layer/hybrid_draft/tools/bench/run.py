@@ -202,11 +202,12 @@ def draft_plan(directory: Path) -> dict[str, Any]:
     """The draft's tensors by the product's own plan (vLLM's draft class and rule), or,
     without vLLM, the names the layout recorded for DeepSeekMTP."""
     from hybrid_draft import checkpoint, planning
+    from hybrid_draft.tools import modes
 
     if vllm_available():
-        from hybrid_draft.adapter import draftplan
+        from hybrid_draft.tools import draftinfo
 
-        plan = draftplan.for_model_dir(str(directory))
+        plan = draftinfo.for_model_dir(str(directory))
         if plan.is_unused is None:
             raise SystemExit(f"{directory}: the draft class {plan.draft_class} has no rule")
     else:  # e.g. a bare GPU machine: the names the layout recorded, the replaced by name
@@ -218,7 +219,7 @@ def draft_plan(directory: Path) -> dict[str, Any]:
             rule=lambda name: name not in wanted,
             shared=frozenset(planning.SHARED_KINDS),
         )
-    reads = plan.modes()
+    reads = modes.rows(plan)
     own = [t for t in plan.kept if t.name not in plan.replaced]
     paths = {t.name: str(s.path) for s in plan.shards for t in s.tensors}
     by_name = {s.name: str(s.path) for s in plan.shards}

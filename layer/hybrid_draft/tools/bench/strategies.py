@@ -102,9 +102,9 @@ def _lazy(files_key: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
 
 
 def _plan(spec: dict[str, Any]) -> Any:
-    from hybrid_draft.adapter import draftplan
+    from hybrid_draft.tools import draftinfo
 
-    return draftplan.for_model_dir(spec["model_dir"])
+    return draftinfo.for_model_dir(spec["model_dir"])
 
 
 def _draft_reader(plan: Any, load_format: str, device: str, held: Any = None) -> Callable[[], Any]:
