@@ -565,10 +565,10 @@ def speculative_architectures() -> dict[str, tuple[str, str]]:
     return out
 
 
-@functools.cache
 def share_mechanism_problem() -> str | None:
     """Why this vLLM's proposers will not replace an MTP draft's embedding and head with
-    the target's (None: they will), by the private names they do it through."""
+    the target's (None: they will), by the private names they do it through. Asked at each
+    draft plan, not once per process: the answer is the proposers' as they are now."""
     try:
         from vllm.v1.spec_decode.eagle import EagleProposer
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
