@@ -33,9 +33,6 @@ class Draft:
     #: The draft read by this layer's loaders (its plan, hold and sources); None: vLLM's
     #: own path reads it.
     read: loaders.DraftRead | None
-    #: The hold the target's load made for this draft, as far as the draft's settings
-    #: allow it (released otherwise).
-    hold: hold.Hold | None
     pruning_rule: str | None
     rule_error: Opt[str] = ABSENT
     settings_changed: Opt[records.SettingsChanged] = ABSENT
@@ -189,7 +186,6 @@ def draft(
         decision=decision,
         load_config=load_config,
         read=read,
-        hold=found.hold,
         pruning_rule=pruning_rule,
         rule_error=rule_error,
         settings_changed=found.report(read is not None),
