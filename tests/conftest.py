@@ -354,12 +354,12 @@ def filtered_reads(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Record
         by_path[path] = entry
         return real_shard(path, *args, **kwargs)
 
-    def tensor(fd: int, path: str, t: Any) -> Any:
+    def tensor(memory: Any, base: int, path: str, t: Any) -> Any:
         by_path[path]["tensors"].append(t.name)
-        return real_tensor(fd, path, t)
+        return real_tensor(memory, base, path, t)
 
-    def read_into(fd: int, view: memoryview, offset: int, path: str, what: str) -> None:
-        real_read(fd, view, offset, path, what)
+    def read_into(fd: int, view: memoryview, offset: int, path: str, run: Any) -> None:
+        real_read(fd, view, offset, path, run)
         by_path[path]["bytes"] += len(view)
 
     monkeypatch.setattr(shardread, "read_shard", read_shard)

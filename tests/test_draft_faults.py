@@ -62,26 +62,30 @@ def model(qwen35: Path, tmp_path: Path) -> Path:
 def test_child_a_shard_truncated_while_read(
     model: Path, events: Events, instanttensor_standin: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from hybrid_draft import files
     from hybrid_draft.adapter import shardread
 
     real = shardread.read_into
-    cut: list[tuple[str, int, int]] = []
+    cut: list[tuple[str, int, Any]] = []
 
-    def truncating(fd: int, view: memoryview, offset: int, path: str, what: str) -> None:
-        if not cut:  # the first read of a tensor: cut the shard in the middle of it
-            cut.append((path, offset, len(view)))
-            os.truncate(path, offset + len(view) // 2)
-        real(fd, view, offset, path, what)
+    def truncating(fd: int, view: memoryview, offset: int, path: str, run: Any) -> None:
+        if not cut:  # the first read: cut the shard in the middle of it
+            end = offset + len(view) // 2
+            cut.append((path, end, next(t for t in run if end < t.end)))
+            os.truncate(path, end)
+        real(fd, view, offset, path, run)
 
     monkeypatch.setattr(shardread, "read_into", truncating)
     with pytest.raises(shardread.ShardChanged) as info:
         load_target_and_draft(engine_config(model))
-    ((path, offset, size),) = cut
+    ((path, end, tensor),) = cut  # the tensor the file now ends in
     failed = _failed_draft(events)
     assert failed["error"] == str(info.value)
-    assert failed["error"].startswith(f"{path}: expected {size:,} bytes of tensor ")
-    assert f"at offset {offset:,}, but the file ends at {offset + size // 2:,}" in failed["error"]
-    assert f"(it now has {offset + size // 2:,} bytes)" in failed["error"]
+    assert failed["error"].startswith(
+        f"{path}: expected {tensor.nbytes:,} bytes of tensor {files.show(tensor.name)} "
+    )
+    assert f"at offset {tensor.start:,}, but the file ends at {end:,}" in failed["error"]
+    assert f"(it now has {end:,} bytes)" in failed["error"]
 
 
 @in_child

@@ -371,3 +371,90 @@ def test_the_filtered_reader_gives_what_safe_open_gives(dtype: str, tmp_path: Pa
             for t in (have, want)
         ]
         assert torch.equal(*as_bytes), name
+
+
+def _mixed_shard(tmp_path: Path, seed: int) -> Path:
+    """A shard of 40 tensors of mixed dtypes and sizes: adjacent tensors at offsets of every
+    alignment, some empty, one far larger than a run."""
+    import random
+
+    rng = random.Random(seed)
+    header: dict[str, object] = {}
+    data = bytearray()
+    dtypes = ["U8", "BOOL", "BF16", "F16", "F32", "I64", "F8_E4M3"]
+    for i in range(40):
+        dtype = rng.choice(dtypes)
+        size = checkpoint.DTYPE_BITS[dtype] // 8
+        count = 300 if i == 17 else rng.choice([0, 1, 3, 5, 8, 17])
+        header[f"t{i:02}"] = {
+            "dtype": dtype,
+            "shape": [count],
+            "data_offsets": [len(data), len(data) + count * size],
+        }
+        data += bytes(rng.randrange(2 if dtype == "BOOL" else 256) for _ in range(count * size))
+    path = tmp_path / f"mixed-{seed}.safetensors"
+    path.write_bytes(shard_bytes(json.dumps(header), tail=bytes(data)))
+    return path
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("keep", [True, False], ids=["consumer-keeps", "consumer-drops"])
+def test_the_filtered_reader_reads_runs_a_kept_tensor_stays_whole(
+    seed: int, keep: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adjacent planned tensors are read a run at a time into memory that is used again:
+    every tensor is still what ``get_tensor`` gives, whether the consumer keeps them all
+    (nothing it holds is read over) or drops each (the reads reuse a few blocks)."""
+    import random
+
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    from hybrid_draft.adapter import shardread
+
+    monkeypatch.setattr(shardread, "RUN_BYTES", 64)  # many runs from a small shard
+    blocks: list[int] = []
+    real_empty = np.empty
+
+    def counting(size: int, dtype: object) -> object:
+        blocks.append(size)
+        return real_empty(size, dtype=dtype)
+
+    monkeypatch.setattr(shardread.np, "empty", counting)
+    path = _mixed_shard(tmp_path, seed)
+    shard = checkpoint.read_shard(path)
+    rng = random.Random(seed)
+    planned = [t for t in shard.tensors if rng.random() < 0.7]  # gaps between some
+    with safe_open(str(path), "pt") as f:
+        expected = {t.name: f.get_tensor(t.name) for t in planned}
+    runs = shardread.runs(planned)
+    assert len(runs) > 3 and max(len(r) for r in runs) > 1
+    assert [t for r in runs for t in r] == planned
+
+    def same(have: torch.Tensor, want: torch.Tensor) -> bool:
+        return (have.dtype, have.shape) == (want.dtype, want.shape) and torch.equal(
+            have.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+        )
+
+    kept: dict[str, torch.Tensor] = {}
+    names = []
+    for name, tensor in shardread.read_shard(str(path), shard, planned):
+        names.append(name)
+        if keep:
+            kept[name] = tensor
+        else:
+            assert same(tensor, expected[name]), name
+        del tensor
+    assert names == [t.name for t in planned]
+    if keep:
+        assert all(same(kept[n], expected[n]) for n in names)
+        assert len(blocks) == len([r for r in runs if r[-1].end > r[0].start])
+    else:  # the loop's last tensor is still held when the next run is read: two blocks
+        # (more only where a run is larger than every block before it)
+        growth = sum(
+            1
+            for i, r in enumerate(runs)
+            if r[-1].end - r[0].start > max((q[-1].end - q[0].start for q in runs[:i]), default=0)
+        )
+        assert len(blocks) <= growth + 1 < len(runs)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import sys
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -70,52 +69,21 @@ def _tqdm(total: int, desc: str, use_tqdm: bool, **kwargs: Any) -> Any:
     )
 
 
-#: How far ahead of the tensor being taken the kernel is asked to read the kept ranges.
-PREFETCH_BYTES = 256 << 20
-
-
-class _Prefetch:
-    """Asks the kernel to start reading the kept byte ranges a window ahead of use.
-
-    Without it every kept tensor is read a readahead window at a time; with it the kernel
-    reads exactly the kept ranges in large requests, and the reads find them cached.
-    ``POSIX_FADV_WILLNEED`` only schedules reads: nothing outside the kept ranges is
-    fetched. A no-op where the OS has no fadvise.
-    """
-
-    def __init__(self, ranges: list[tuple[int, int]]) -> None:
-        self.ranges, self.issued, self.ahead = ranges, 0, 0
-        self.enabled = hasattr(os, "posix_fadvise")
-
-    def before(self, fd: int, i: int) -> None:
-        """Called before tensor ``i`` is read from ``fd``: keep the window ahead scheduled."""
-        while (
-            self.enabled
-            and self.issued < len(self.ranges)
-            and (self.issued <= i or self.ahead < PREFETCH_BYTES)
-        ):
-            start, end = self.ranges[self.issued]
-            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
-            self.ahead += end - start
-            self.issued += 1
-        start, end = self.ranges[i]
-        self.ahead -= end - start
-
-
 def lazy_filtered_iterator(
     selection: checkpoint.Selection, use_tqdm_on_load: bool = True
 ) -> Weights:
     """Read each selected shard's kept tensors, in file order, with explicit reads of their
-    planned byte ranges (``shardread``): a shard that shrinks meanwhile raises, naming it."""
+    planned byte ranges (``shardread``): a shard that shrinks meanwhile raises, naming it.
+    One pool of read memory serves the whole selection."""
     with _tqdm(
         len(selection.tensors),
         "Loading the draft's tensors (safetensors, filtered)",
         use_tqdm_on_load,
         unit="shard",
     ) as bar:
+        buffers = shardread.Buffers()
         for path, tensors in selection.tensors.items():
-            prefetch = _Prefetch([(t.start, t.end) for t in tensors])
-            yield from shardread.read_shard(path, selection.shards[path], tensors, prefetch.before)
+            yield from shardread.read_shard(path, selection.shards[path], tensors, buffers)
             bar.update(1)
 
 
