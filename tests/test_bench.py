@@ -127,3 +127,23 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
         "the chart (bench.png) needs the `bench` extra: pip install 'hybrid-draft[bench]'",
     ]
     assert list(json.loads((out / "bench.json").read_text())["strategies"]) == ["limit"]
+
+
+def test_settle_waits_out_the_processes_this_one_started() -> None:
+    """Nothing the bench's process started (vLLM's background kernel builds, say) runs when
+    settle returns; a child that has ended but is not reaped yet does not hold it up."""
+    from hybrid_draft.tools.bench import pagecache
+
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        assert running.pid in pagecache.children()
+        pagecache.settle(timeout=60)
+        assert running.poll() == 0  # it had ended: settle waited for it
+        assert pagecache.children() == []  # the ended, unreaped one is not counted
+        assert ended.poll() == 0
+    finally:
+        running.kill()
+        ended.kill()
+        running.wait()
+        ended.wait()

@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hybrid_draft.tools.bench import pagecache
+
 GIB = 1 << 30
 LAYOUT_VERSION = 3
 DRAFT_NAMES = "bench-draft-tensors.json"
@@ -265,6 +267,7 @@ def run_strategy(name: str, shared: dict[str, Any], runs: int) -> dict[str, Any]
         }
         spec_file = os.path.join(tmp, "spec.json")
         Path(spec_file).write_text(json.dumps(spec))
+        pagecache.settle()  # nothing this process started runs beside the worker
         subprocess.run(
             [sys.executable, "-m", "hybrid_draft.tools.bench.strategies", spec_file],
             check=True,
@@ -450,6 +453,10 @@ def main(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     from hybrid_draft.tools.bench import startup
     from hybrid_draft.tools.bench.strategies import CPU_STRATEGIES, GPU_STRATEGIES
+
+    # vLLM's import would start background kernel builds in this process and in every
+    # worker, beside the timed runs (pagecache.settle); the workers inherit this.
+    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
 
     if args.strategies is not None:
         chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]
