@@ -10,22 +10,30 @@ recognised by identity with ``speculative_config.draft_model_config`` on all thr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_draft import policy
+
+if TYPE_CHECKING:
+    from vllm.config import LoadConfig, ModelConfig, SpeculativeConfig, VllmConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
     """The configs one ``get_model`` call resolves to, as vLLM itself would resolve them."""
 
-    vllm_config: Any
-    model_config: Any
-    load_config: Any
-    speculative_config: Any
+    vllm_config: VllmConfig
+    model_config: ModelConfig
+    load_config: LoadConfig
+    speculative_config: SpeculativeConfig | None
 
     @classmethod
-    def resolve(cls, vllm_config: Any, model_config: Any = None, load_config: Any = None) -> Call:
+    def resolve(
+        cls,
+        vllm_config: VllmConfig,
+        model_config: ModelConfig | None = None,
+        load_config: LoadConfig | None = None,
+    ) -> Call:
         return cls(
             vllm_config=vllm_config,
             model_config=model_config if model_config is not None else vllm_config.model_config,
@@ -45,7 +53,7 @@ class Call:
         )
 
     @property
-    def target_model_config(self) -> Any:
+    def target_model_config(self) -> ModelConfig:
         return getattr(self.speculative_config, "target_model_config", None) or (
             self.vllm_config.model_config
         )
@@ -66,7 +74,7 @@ class Call:
         )
 
 
-def checkpoint_of(model_config: Any) -> policy.Checkpoint:
+def checkpoint_of(model_config: ModelConfig) -> policy.Checkpoint:
     weights = getattr(model_config, "model_weights", None)
     return policy.Checkpoint(
         model=str(model_config.model),
@@ -75,11 +83,11 @@ def checkpoint_of(model_config: Any) -> policy.Checkpoint:
     )
 
 
-def _field_names(load_config: Any) -> set[str]:
+def _field_names(load_config: LoadConfig) -> set[str]:
     return {f.name for f in dataclasses.fields(load_config)}
 
 
-def lazy_load_config(load_config: Any) -> Any:
+def lazy_load_config(load_config: LoadConfig) -> LoadConfig:
     """A copy that loads with memory-mapped safetensors; the original is never mutated.
 
     ``enable_multithread_load`` is dropped: vLLM's multi-thread iterator reads whole files,
@@ -96,6 +104,6 @@ def lazy_load_config(load_config: Any) -> Any:
     return dataclasses.replace(load_config, **changes)
 
 
-def loader_load_config(load_config: Any, load_format: str) -> Any:
+def loader_load_config(load_config: LoadConfig, load_format: str) -> LoadConfig:
     """A lazy copy that routes the draft to one of this layer's registered loaders."""
     return dataclasses.replace(lazy_load_config(load_config), load_format=load_format)

@@ -11,11 +11,14 @@ same from a model directory, for ``hybrid-draft plan``, is
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hybrid_draft import checkpoint
 from hybrid_draft.adapter import calls, drafts, internals, rules, selective, sharing
 from hybrid_draft.planning import DraftPlan
+
+if TYPE_CHECKING:
+    import torch
 
 
 def weight_files(call: calls.Call) -> list[str]:
@@ -34,7 +37,7 @@ def weight_files(call: calls.Call) -> list[str]:
     return sorted(files) if use_safetensors else []
 
 
-def device_of(call: calls.Call) -> Any:
+def device_of(call: calls.Call) -> str | torch.device | None:
     return call.load_config.device or call.vllm_config.device_config.device
 
 

@@ -6,9 +6,12 @@ The same for a checkpoint directory, without a load (``hybrid-draft plan``, ``ru
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_draft.adapter import internals
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig
 
 
 def mtp_layers(config: Any) -> int | None:
@@ -34,6 +37,6 @@ def is_mtp(architecture: str) -> bool:
     return "MTP" in architecture and architecture not in OWN_CHECKPOINT
 
 
-def draft_class(model_config: Any) -> type:
+def draft_class(model_config: ModelConfig) -> type:
     """The class vLLM builds for ``model_config`` (its registry's resolution)."""
     return internals.model_class(model_config)

@@ -20,12 +20,16 @@ import functools
 import inspect
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_draft import __version__, settings
 from hybrid_draft.adapter import calls, load, parts, stats
 from hybrid_draft.adapter.internals import TARGET, shape_problem, vllm_version
 from hybrid_draft.events import emit
+
+if TYPE_CHECKING:
+    from vllm.config import LoadConfig, ModelConfig, VllmConfig
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 _WRAPPED = "__hybrid_draft_wrapped__"
 
@@ -73,7 +77,7 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
                 bound.arguments.get("load_config"),
             )
 
-        def proceed(load_config: Any) -> Any:
+        def proceed(load_config: LoadConfig | None) -> Any:
             extra = {} if load_config is None else {"load_config": load_config}
             return original(*args, **{**kwargs, **extra})
 
@@ -91,12 +95,16 @@ def wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def load_model(
-        self: Any, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any
+        self: BaseModelLoader,
+        vllm_config: VllmConfig,
+        model_config: ModelConfig,
+        *args: Any,
+        **kwargs: Any,
     ) -> Any:
         if stats.current() is not None:  # inside a load this layer decided
             return original(self, vllm_config, model_config, *args, **kwargs)
 
-        def proceed(load_config: Any) -> Any:
+        def proceed(load_config: LoadConfig | None) -> Any:
             if load_config is None:
                 return original(self, vllm_config, model_config, *args, **kwargs)
             from vllm.model_executor.model_loader import get_model_loader
