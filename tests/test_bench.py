@@ -53,6 +53,7 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
         for key in ("bytes_read", "resident_bytes", "peak_rss"):
             assert isinstance(s[key], int) and s[key] >= 0, (name, key)
         assert s["cold"], f"{name}: the page cache could not be emptied before a run"
+        assert s["warmup_seconds"] > 0, name  # an untimed run first, in every worker
     # The checkpoint is in DeepSeek-V3's proportions: the draft, and what vLLM replaces.
     real, synthetic = result["proportions"]["real"], result["proportions"]["synthetic"]
     assert result["proportions"]["model"] == "DeepSeek-V3"

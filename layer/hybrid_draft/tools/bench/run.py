@@ -293,6 +293,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "rss_before": raw["rss_before"],
         "cold": all(raw["cold"]),
         "gb_per_s": raw["bytes_read"][i] / median / 1e9 if median > 0 else 0.0,
+        "warmup_seconds": raw.get("warmup_seconds"),
     }
     if "target_seconds" in raw:  # one pass: the target's pass and the draft's load apart
         tapped = statistics.median(raw["target_seconds"])
@@ -305,7 +306,6 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             median_target_seconds=tapped,
             median_untapped_target_seconds=untapped,
             tap_overhead=tapped / untapped - 1 if untapped > 0 else None,
-            warmup_seconds=raw.get("warmup_seconds"),
             held_bytes=max(raw["held_bytes"]),
         )
     if raw.get("peak_device_bytes"):
