@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ for _var in (
     os.environ.pop(_var, None)
 
 import hostcpu  # noqa: E402
+import systemsetup  # noqa: E402
 from hybrid_draft.tools import synth  # noqa: E402 - after the environment above
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,14 +55,42 @@ def _amx_when_asked() -> Iterator[None]:
         yield
 
 
-def pytest_report_header() -> str:
-    """The host's CPU, which vLLM's CPU code picks its kernels by (docs/testing.md)."""
+#: When this session started: nothing may be installed on the host after it (tests/systemsetup.py).
+SESSION_STARTED = time.time()
+
+
+def pytest_report_header() -> list[str]:
+    """The host's CPU, which vLLM's CPU code picks its kernels by (docs/testing.md), and the
+    system packages scripts/system-setup left before the session started."""
     forced = " (AMX selection forced)" if os.environ.get(hostcpu.FORCE_ENV) == "1" else ""
-    return f"host CPU: {hostcpu.describe()}{forced}"
+    lines = [f"host CPU: {hostcpu.describe()}{forced}"]
+    path = systemsetup.record_path()
+    if path is not None and path.is_file():
+        try:
+            packages = systemsetup.read_record(path).packages
+        except ValueError as e:
+            lines.append(f"system packages: {e}")
+        else:
+            lines.append("system packages: " + ", ".join(f"{k} {v}" for k, v in packages.items()))
+    return lines
+
+
+@pytest.fixture(scope="session")
+def session_started() -> float:
+    """The time this pytest session started (epoch seconds)."""
+    return SESSION_STARTED
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+    # The whole session, not only up to tests/test_system_setup.py: dpkg changed nothing.
+    changed = systemsetup.dpkg_changes_since(SESSION_STARTED)
+    if changed:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for line in changed:
+            if reporter is not None:
+                reporter.write_line(f"installed while the tests ran: {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # --- checkpoints -------------------------------------------------------------------------

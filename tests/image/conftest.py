@@ -41,7 +41,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     for tool in ("buildah", "debootstrap", "ip", "docker", "dockerd", "nsenter"):
         if shutil.which(tool) is None:
             pytest.exit(
-                f"the image test needs {tool}: run scripts/image-test, which installs it",
+                f"the image test needs {tool}: run scripts/system-setup as root, which installs it",
                 returncode=2,
             )
     buildah.remove_leftovers()
