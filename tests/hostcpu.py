@@ -48,6 +48,39 @@ def inprocess_mla_backend() -> dict[str, Any]:
     return {"attention_backend": "CPU_MLA"} if amx() else {}
 
 
+def kernel_library() -> str:
+    """The kernel library vLLM's CPU build loads on this x86 host.
+
+    ``CpuPlatform.import_kernels`` asks torch: ``_C`` (AVX-512 with BF16; the only one with
+    the AMX kernels and the sgl GEMM: ``convert_weight_packed``), ``_C_AVX512`` (AVX-512
+    without BF16), else ``_C_AVX2``. tests/e2e/test_isa.py checks the answer against the
+    library a real load maps.
+    """
+    import torch
+
+    if torch.cpu._is_avx512_supported():
+        return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    return "_C_AVX2"
+
+
+def amx_kernels_unavailable() -> str | None:
+    """Why vLLM's AMX kernels cannot be loaded on this host, AMX answered yes or not; None
+    where they can (the host loads ``_C``)."""
+    library = kernel_library()
+    if library == "_C":
+        return None
+    if library == "_C_AVX2":
+        return (
+            "this CPU has no avx512f: vLLM's CPU build loads _C_AVX2, which has none of the "
+            "AMX kernels (no convert_weight_packed), and its AVX-512 library vllm._C cannot be "
+            "imported here (SIGILL)"
+        )
+    return (
+        "this CPU has avx512f but no avx512_bf16: vLLM's CPU build loads _C_AVX512, which has "
+        "none of the AMX kernels (no convert_weight_packed), instead of vllm._C"
+    )
+
+
 @contextmanager
 def force_amx() -> Iterator[None]:
     """vLLM's AMX question answered yes in this process, as on an AMX host."""

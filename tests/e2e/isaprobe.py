@@ -1,14 +1,21 @@
-"""Load a checkpoint's target and MTP draft with vLLM's CPU build as an AMX host would.
+"""Load a checkpoint's target and MTP draft with vLLM's CPU build, as this host or an AMX
+host selects its kernels.
 
 Run by the CPU environment's Python (tests/e2e/test_isa.py). vLLM asks
-``torch.cpu._is_amx_tile_supported()`` wherever it picks a CPU kernel; here that question is
-answered yes before vLLM is imported, so the real ``get_model`` and ``EagleProposer`` build
-the AMX_MLA attention, the sgl-kernel GEMM and the AMX fused-MoE experts and run their
-``process_weights_after_loading``: the VNNI packing (``convert_weight_packed``) whose shape
-and dtype checks reject what an AMX host cannot serve. Packing only rearranges memory, so it
-runs on any x86 host; nothing here computes with AMX instructions (no forward pass).
+``torch.cpu._is_amx_tile_supported()`` wherever it picks a CPU kernel. With ``--select amx``
+that question is answered yes before vLLM is imported, so the real ``get_model`` and
+``EagleProposer`` build the AMX_MLA attention, the sgl-kernel GEMM and the AMX fused-MoE
+experts and run their ``process_weights_after_loading``: the VNNI packing
+(``convert_weight_packed``) whose shape and dtype checks reject what an AMX host cannot
+serve. Packing only rearranges memory, so it runs on any host whose CPU can load the kernel
+library that holds it (vLLM's ``_C``, built for AVX-512); nothing here computes with AMX
+instructions (no forward pass). With ``--select host`` (the default) nothing is answered for
+vLLM: the load is what this host serves with.
 
-Prints one JSON object: what was selected, or the error the load stopped with.
+Prints one JSON object: per case, what was selected, or the error the load stopped with;
+under ``"host"``, the kernel library vLLM loaded (``CpuPlatform.import_kernels``: the file
+mapped into this process) and whether it has the shared-memory communicator's
+``init_shm_manager``.
 """
 
 from __future__ import annotations
@@ -21,8 +28,6 @@ from typing import Any
 
 import torch
 
-torch.cpu._is_amx_tile_supported = lambda: True  # type: ignore[assignment]
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,23 +35,66 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _selected(model: Any) -> dict[str, list[str]]:
+def _linear_kind(linear: Any) -> str:
+    """What a linear layer's ``cpu_linear`` (``dispatch_cpu_unquantized_gemm``) calls."""
+    if linear is torch.nn.functional.linear:
+        return "torch linear"
+    code = getattr(linear, "__code__", None)
+    names = code.co_names if code is not None else ()
+    if "weight_packed_linear_cpu" in names:
+        return "sgl weight_packed_linear"
+    if "onednn_mm" in names:
+        return "oneDNN onednn_mm"
+    return str(getattr(linear, "__qualname__", type(linear).__name__))
+
+
+def _selected(model: Any, config: Any) -> dict[str, list[str]]:
     """The kernels each module of a loaded model was given, by kind."""
-    seen: dict[str, set[str]] = {"attention": set(), "linear": set(), "experts": set()}
-    for module in model.modules():
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    seen: dict[str, set[str]] = {
+        "attention": set(),
+        "attention_isa": set(),
+        "linear": set(),
+        "experts": set(),
+    }
+    for module_name, module in model.named_modules():
         impl = getattr(module, "impl", None)
         if impl is not None and type(module).__name__.endswith("Attention"):
             seen["attention"].add(type(impl).__name__)
+            head_size = getattr(impl, "head_size", None)
+            block_size = config.cache_config.block_size
+            if type(impl).__name__ == "CPUAttentionBackendImpl" and head_size and block_size:
+                # The CPU attention's ISA is fixed when the KV cache is laid out (no forward
+                # pass here): vLLM's own choice for this layer's dtype, block and head size.
+                seen["attention_isa"].add(
+                    _get_attn_isa(config.model_config.dtype, block_size, head_size)
+                )
         linear = getattr(module, "cpu_linear", None)
         if linear is not None:
-            name = getattr(linear, "__qualname__", type(linear).__name__)
-            code = getattr(linear, "__code__", None)
-            sgl = code is not None and "weight_packed_linear_cpu" in code.co_names
-            seen["linear"].add("sgl weight_packed_linear" if sgl else name)
+            kind = _linear_kind(linear)
+            if kind == "torch linear":  # which layer keeps torch's own, by its name
+                kind += f": {module_name.rsplit('.', 1)[-1]}"
+            seen["linear"].add(kind)
         experts = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         if experts is not None:
-            seen["experts"].add(type(getattr(experts, "fused_experts", experts)).__name__)
+            fused = getattr(experts, "fused_experts", experts)
+            isa = getattr(fused, "isa", None)
+            seen["experts"].add(type(fused).__name__ + (f" ({isa})" if isa else ""))
     return {k: sorted(v) for k, v in seen.items()}
+
+
+def _host() -> dict[str, Any]:
+    """The kernel library vLLM loaded into this process, and what it offers."""
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        mapped = {line.split()[-1] for line in f if "/vllm/_C" in line}
+    names = sorted({p.rsplit("/", 1)[-1].split(".", 1)[0] for p in mapped})
+    return {
+        "kernel_libraries": names,
+        "init_shm_manager": hasattr(torch.ops._C, "init_shm_manager"),
+        "convert_weight_packed": hasattr(torch.ops._C, "convert_weight_packed"),
+        "amx": bool(torch.cpu._is_amx_tile_supported()),
+    }
 
 
 def main() -> None:
@@ -54,7 +102,15 @@ def main() -> None:
     parser.add_argument(
         "--case", action="append", required=True, help="NAME=CHECKPOINT_DIR:DTYPE, repeated"
     )
+    parser.add_argument(
+        "--select",
+        choices=("host", "amx"),
+        default="host",
+        help="host: as this host selects; amx: vLLM's AMX question answered yes",
+    )
     args = parser.parse_args()
+    if args.select == "amx":  # before vLLM is imported: it asks wherever it picks
+        torch.cpu._is_amx_tile_supported = lambda: True  # type: ignore[assignment]
 
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -86,13 +142,14 @@ def main() -> None:
                 joined = True
             try:
                 target = get_model(vllm_config=config)
-                result["target"] = _selected(target)
+                result["target"] = _selected(target, config)
                 proposer = EagleProposer(config, torch.device("cpu"), runner=None)
                 proposer.load_model(target)
-                result["draft"] = _selected(proposer.model)
+                result["draft"] = _selected(proposer.model, config)
             except Exception as e:  # the answer the test reads: what an AMX host would hit
                 text = str(e).splitlines()[0] if str(e) else ""
                 result["error"] = f"{type(e).__name__}: {text}"
+    out["host"] = _host()
     print(json.dumps(out))
     sys.stdout.flush()
 

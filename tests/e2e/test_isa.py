@@ -1,14 +1,25 @@
-"""Every checkpoint the suite serves loads on an AMX host, checked on any x86 host.
+"""Every checkpoint the suite serves loads with the kernels this host selects, and with those
+an AMX host selects wherever the host can load them.
 
-vLLM's CPU build takes other kernels where AMX tiles are available: the AMX_MLA attention
-backend (bfloat16 only, W_UK/W_UV VNNI-packed by ``convert_weight_packed``, which wants out
-features a multiple of 16 and in features a multiple of 32), the sgl-kernel GEMM for small
-linear layers and the AMX fused-MoE experts. tests/e2e/isaprobe.py answers vLLM's AMX
-question yes and loads each served preset through the real ``get_model`` and
-``EagleProposer`` in the dtype such a host serves in (tests/hostcpu.py), so the real packing
-code checks every shape here, on an AMD or AVX2 machine too. A preset that an AMX host
-could not serve fails this test wherever it runs; two controls show that the probe does
-reject what such a host rejects.
+vLLM's CPU build loads one of three kernel libraries by the host's ISA
+(``CpuPlatform.import_kernels``): ``_C`` (AVX-512 with BF16), ``_C_AVX512`` or ``_C_AVX2``,
+and takes other kernels where AMX tiles are available: the AMX_MLA attention backend
+(bfloat16 only, W_UK/W_UV VNNI-packed by ``convert_weight_packed``, which wants out features
+a multiple of 16 and in features a multiple of 32), the sgl-kernel GEMM for small linear
+layers and the AMX fused-MoE experts. Those kernels live in ``_C`` alone.
+
+tests/e2e/isaprobe.py loads each served preset through the real ``get_model`` and
+``EagleProposer`` in the dtype the servers use (tests/hostcpu.py):
+
+- as this host selects, on every host: the library mapped, the attention backend and ISA,
+  the GEMM and the experts each module got, and whether the shared-memory communicator's
+  ``init_shm_manager`` is there (an AVX2 host: ``_C_AVX2``, CPU_MLA, the CPU attention's
+  ``vec`` ISA, oneDNN GEMMs, the ``vec`` experts, no shared memory: TP and PP groups use
+  torch.distributed);
+- as an AMX host selects (vLLM's AMX question answered yes), where the host loads ``_C``: the
+  real packing code checks every shape here, on an AMD machine too, and two controls show
+  that the probe rejects what such a host rejects. Elsewhere these tests skip, naming the
+  missing flag and the library vLLM loads instead.
 """
 
 from __future__ import annotations
@@ -25,10 +36,36 @@ from .harness import REPO, Checkpoint, CpuEnv, Timer, run
 pytestmark = pytest.mark.e2e
 
 
+def _probe(cpu_env: CpuEnv, cases: list[str], select: str) -> dict[str, dict]:
+    out = run(
+        [
+            cpu_env.python,
+            REPO / "tests/e2e/isaprobe.py",
+            f"--select={select}",
+            *(f"--case={c}" for c in cases),
+        ],
+        env=cpu_env.env(),
+        timeout=900,
+        what=f"tests/e2e/isaprobe.py --select={select}",
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def on_this_host(cpu_env: CpuEnv, checkpoints: dict[str, Checkpoint]) -> dict[str, dict]:
+    dtype = hostcpu.serving_dtype()
+    cases = [f"{arch}={checkpoints[arch].path}:{dtype}" for arch in synth.CPU_SERVABLE]
+    with Timer("isa: the served presets loaded as this host selects"):
+        return _probe(cpu_env, cases, "host")
+
+
 @pytest.fixture(scope="module")
 def probed(
     cpu_env: CpuEnv, checkpoints: dict[str, Checkpoint], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, dict]:
+    unavailable = hostcpu.amx_kernels_unavailable()
+    if unavailable is not None:
+        pytest.skip(f"an AMX host's kernels cannot be checked here: {unavailable}")
     root = tmp_path_factory.mktemp("isa")
     # Control: DeepSeek-V3's `cpu` preset as it was, qk_nope_head_dim 16 (W_UK's in features).
     narrow = root / "deepseek_v3-nope16"
@@ -42,13 +79,47 @@ def probed(
         f"nope16={narrow}:{amx_dtype}",
     ]
     with Timer("isa: the served presets loaded as on an AMX host"):
-        out = run(
-            [cpu_env.python, REPO / "tests/e2e/isaprobe.py", *(f"--case={c}" for c in cases)],
-            env=cpu_env.env(),
-            timeout=900,
-            what="tests/e2e/isaprobe.py",
-        )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        return _probe(cpu_env, cases, "amx")
+
+
+def test_this_host_loads_the_kernel_library_its_cpu_selects(on_this_host: dict[str, dict]) -> None:
+    host = on_this_host["host"]
+    library = hostcpu.kernel_library()
+    assert host["kernel_libraries"] == [library], (hostcpu.describe(), host)
+    # The AMX kernels and the shared-memory communicator are in the AVX-512 libraries only.
+    assert host["convert_weight_packed"] is (library == "_C"), host
+    assert host["init_shm_manager"] is (library != "_C_AVX2"), host
+    assert host["amx"] is hostcpu.amx()
+
+
+@pytest.mark.parametrize("arch", synth.CPU_SERVABLE)
+def test_each_served_preset_loads_with_the_kernels_this_host_selects(
+    on_this_host: dict[str, dict], arch: str
+) -> None:
+    result = on_this_host[arch]
+    assert "error" not in result, f"{arch} --preset cpu on {hostcpu.describe()}: {result['error']}"
+    amx = hostcpu.amx()
+    for role in ("target", "draft"):
+        selected = result[role]
+        linear = set(selected["linear"])
+        # With AMX the small GEMMs take the sgl kernel, the rest oneDNN; without, all go to
+        # oneDNN (vLLM falls back to torch's linear, with a warning, for a shape oneDNN
+        # refuses). MLA's kv_b_proj alone keeps torch's: the MLA backend unpacks its weight
+        # into W_UK/W_UV itself.
+        assert ("sgl weight_packed_linear" if amx else "oneDNN onednn_mm") in linear, selected
+        mla = arch == "deepseek_v3"
+        kept = {k for k in linear if k.startswith("torch linear")}
+        assert kept <= ({"torch linear: kv_b_proj"} if mla else set()), selected
+        assert linear - kept <= {"sgl weight_packed_linear", "oneDNN onednn_mm"}, selected
+        if mla:
+            assert selected["attention"] == (["AMXMLAImpl"] if amx else ["CPUMLAImpl"]), selected
+        else:
+            assert selected["attention"] == ["CPUAttentionBackendImpl"], selected
+            assert selected["attention_isa"] == (["amx"] if amx else ["vec"]), selected
+        # The fused-MoE experts (both presets are MoE models) and the ISA they pack for: the
+        # vector kernels in every library without AMX.
+        isas = {e.rsplit(" ", 1)[-1] for e in selected["experts"]}
+        assert isas and isas <= ({"(amx)", "(vec)"} if amx else {"(vec)"}), selected
 
 
 def test_the_served_dtype_on_an_amx_host_is_the_one_amx_mla_takes() -> None:
@@ -60,6 +131,7 @@ def test_the_served_dtype_on_an_amx_host_is_the_one_amx_mla_takes() -> None:
 def test_each_served_preset_loads_with_the_amx_kernels(probed: dict[str, dict], arch: str) -> None:
     result = probed[arch]
     assert "error" not in result, f"{arch} --preset cpu on an AMX host: {result['error']}"
+    assert probed["host"]["kernel_libraries"] == ["_C"], probed["host"]
     for role in ("target", "draft"):
         selected = result[role]
         # The AMX paths were really taken, so their checks really ran.
