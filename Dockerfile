@@ -4,7 +4,7 @@
 # /etc/hybrid-draft.toml. Build with `docker buildx bake` (docker-bake.hcl passes exactly
 # these ARGs).
 
-ARG BASE_IMAGE=vllm/vllm-openai:v0.33.0
+ARG BASE_IMAGE=vllm/vllm-openai:v0.34.0
 
 # Where the build's packages come from: the wheel stage's build backend (hatchling) and
 # whatever the base lacks of the layer's dependencies (structlog, requests, rich).
@@ -44,10 +44,14 @@ ARG PYTHON=python3
 # The user the base image runs as (vllm/vllm-openai: root; its -nonroot variant: vllm).
 # The install needs root; the image then runs as this user again.
 ARG BASE_USER=root
-ARG VLLM_VERSION=0.33.0
+ARG VLLM_VERSION=0.34.0
 ARG INSTANTTENSOR_VERSION=0.2.2
 ARG HYBRID_DRAFT_VERSION=0.1.0
 ARG SOURCE_URL=https://github.com/hybrid-draft/hybrid-draft
+# Parts of the layer the build's `hybrid-draft doctor` step may find off without failing
+# (comma-separated part names, or `all`): set it to build anyway on a base where vLLM's
+# shape turns a part off. Empty: any part off on a supported release fails the build.
+ARG HYBRID_DRAFT_ALLOW_PARTS_OFF=
 
 LABEL org.opencontainers.image.title="vLLM with hybrid-draft" \
       org.opencontainers.image.description="vLLM ${VLLM_VERSION}: InstantTensor for the target, lazy or selective loading for speculative drafts" \
@@ -66,7 +70,7 @@ RUN [ "$(id -u)" = "${BASE_USER}" ] || [ "$(id -un 2>/dev/null)" = "${BASE_USER}
 # into a running container. The wheel, the script and the pins are bind-mounted, never
 # copied, so none of them stays in a layer; the script installs only what the base lacks,
 # changes nothing the base has, and ends with `hybrid-draft doctor`, which fails the build
-# unless the layer is active. /model and /events (compose.yaml's named volumes) belong to
+# unless the layer is active (and every part of it on, but for HYBRID_DRAFT_ALLOW_PARTS_OFF). /model and /events (compose.yaml's named volumes) belong to
 # the base's user, so new volumes there are writable by it.
 USER 0
 RUN --mount=type=bind,from=wheel,source=/dist,target=/tmp/hybrid-draft/dist \
@@ -75,7 +79,9 @@ RUN --mount=type=bind,from=wheel,source=/dist,target=/tmp/hybrid-draft/dist \
     --mount=type=bind,source=docker/package-sources.sh,target=/tmp/hybrid-draft/package-sources.sh \
     --mount=type=bind,from=wheels,target=/tmp/hybrid-draft/wheels \
     . /tmp/hybrid-draft/package-sources.sh \
- && INSTANTTENSOR_VERSION="${INSTANTTENSOR_VERSION}" sh /tmp/hybrid-draft/install-layer.sh \
+ && INSTANTTENSOR_VERSION="${INSTANTTENSOR_VERSION}" \
+    HYBRID_DRAFT_ALLOW_PARTS_OFF="${HYBRID_DRAFT_ALLOW_PARTS_OFF}" \
+    sh /tmp/hybrid-draft/install-layer.sh \
         "$(command -v "${PYTHON}")" /tmp/hybrid-draft/dist/hybrid_draft-*.whl \
         /tmp/hybrid-draft/pins.txt \
  && install -d -o "${BASE_USER}" /model /events

@@ -19,8 +19,11 @@
 # wheels as files and no index at all: WHEELS=./wheels PACKAGE_INDEX=none docker buildx bake
 # (fill ./wheels with `pip download --only-binary :all: -d wheels hatchling structlog requests rich`).
 
+# The vLLM release to build on (the official image's tag): the newest supported one
+# (pins.txt's `# vllm-releases:` line); VLLM_VERSION=0.33.0 docker buildx bake builds on the
+# previous one.
 variable "VLLM_VERSION" {
-  default = "0.33.0"
+  default = "0.34.0"
 }
 
 variable "INSTANTTENSOR_VERSION" {
@@ -76,6 +79,12 @@ variable "WHEELS" {
   default = ""
 }
 
+# Parts of the layer the build's doctor step may find off (comma-separated, or `all`):
+# HYBRID_DRAFT_ALLOW_PARTS_OFF=all docker buildx bake builds anyway. Empty: none.
+variable "HYBRID_DRAFT_ALLOW_PARTS_OFF" {
+  default = ""
+}
+
 variable "SOURCE_URL" {
   default = "https://github.com/hybrid-draft/hybrid-draft"
 }
@@ -92,14 +101,15 @@ target "_common" {
   context    = "."
   dockerfile = "Dockerfile"
   args = {
-    BASE_IMAGE            = "${BASE_IMAGE}"
-    PYTHON                = "python3"
-    BASE_USER             = "${BASE_USER}"
-    VLLM_VERSION          = "${VLLM_VERSION}"
-    INSTANTTENSOR_VERSION = "${INSTANTTENSOR_VERSION}"
-    HYBRID_DRAFT_VERSION  = "${HYBRID_DRAFT_VERSION}"
-    SOURCE_URL            = "${SOURCE_URL}"
-    PACKAGE_INDEX         = "${PACKAGE_INDEX}"
+    BASE_IMAGE                   = "${BASE_IMAGE}"
+    PYTHON                       = "python3"
+    BASE_USER                    = "${BASE_USER}"
+    VLLM_VERSION                 = "${VLLM_VERSION}"
+    INSTANTTENSOR_VERSION        = "${INSTANTTENSOR_VERSION}"
+    HYBRID_DRAFT_VERSION         = "${HYBRID_DRAFT_VERSION}"
+    SOURCE_URL                   = "${SOURCE_URL}"
+    PACKAGE_INDEX                = "${PACKAGE_INDEX}"
+    HYBRID_DRAFT_ALLOW_PARTS_OFF = "${HYBRID_DRAFT_ALLOW_PARTS_OFF}"
   }
   contexts = notequal(WHEELS, "") ? { wheels = WHEELS } : {}
 }

@@ -28,6 +28,22 @@ def pins() -> dict[str, str]:
     return out
 
 
+def vllm_releases() -> list[str]:
+    """The supported vLLM releases of the CUDA image, oldest first: pins.txt's
+    ``# vllm-releases:`` line (the newest is the image's default base)."""
+    for line in (REPO / "pins.txt").read_text().splitlines():
+        if line.startswith("# vllm-releases:"):
+            releases = line.split(":", 1)[1].split()
+            if releases:
+                return releases
+    raise ValueError(f"{REPO / 'pins.txt'}: no '# vllm-releases: X.Y.Z ...' line")
+
+
+def image_vllm() -> str:
+    """The vLLM release the image builds on by default: the newest supported one."""
+    return vllm_releases()[-1]
+
+
 def interpolate(text: str, env: dict[str, str]) -> str:
     """Compose/bake-style ``${VAR}`` and ``${VAR:-default}`` (defaults may nest ``${}``)."""
     pattern = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^${}]*))?\}")

@@ -18,12 +18,16 @@ import yaml
 
 from buildfiles import (
     bake,
+    bake_args,
     bake_defaults,
+    bake_tags,
     compose,
     dockerfile_args,
+    image_vllm,
     interpolate,
     pins,
     resolved_target,
+    vllm_releases,
 )
 from conftest import REPO, Events, Recorder, engine_config, load_target_and_draft
 
@@ -52,11 +56,30 @@ def test_hadolint_is_clean(dockerfile: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_the_supported_releases_are_one_line_of_pins_oldest_first() -> None:
+    """pins.txt's ``# vllm-releases:`` line: the test environment's ``vllm==`` among them,
+    oldest first; the newest is the image's default base."""
+    releases = vllm_releases()
+    assert pins()["vllm"] in releases
+    assert len(set(releases)) == len(releases) >= 2
+    assert sorted(releases, key=lambda v: tuple(int(x) for x in v.split("."))) == releases
+    assert image_vllm() == releases[-1]
+    # The form scripts read it in.
+    out = subprocess.run(
+        ["sed", "-n", "s/^# vllm-releases: //p", str(REPO / "pins.txt")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == releases
+
+
 def test_dockerfile_defaults_are_the_pins() -> None:
     args, p = dockerfile_args(), pins()
-    assert args["VLLM_VERSION"] == p["vllm"]
+    assert args["VLLM_VERSION"] == image_vllm()
     assert args["INSTANTTENSOR_VERSION"] == p["instanttensor"]
-    assert args["BASE_IMAGE"] == f"vllm/vllm-openai:v{p['vllm']}"
+    assert args["BASE_IMAGE"] == f"vllm/vllm-openai:v{image_vllm()}"
+    assert args["HYBRID_DRAFT_ALLOW_PARTS_OFF"] in (None, "")  # empty: no part may be off
     from hybrid_draft import __version__
 
     assert args["HYBRID_DRAFT_VERSION"] == __version__
@@ -98,6 +121,10 @@ def test_final_stage_keeps_only_the_installed_layer_and_the_config() -> None:
     for mounted in ("from=wheel,source=/dist", "source=docker/install-layer.sh", "source=pins.txt"):
         assert f"--mount=type=bind,{mounted}" in run
     assert "sh /tmp/hybrid-draft/install-layer.sh" in run
+    # The doctor step (install-layer.sh's last) sees the build ARG as its environment
+    # variable; the image keeps no trace of it.
+    assert 'HYBRID_DRAFT_ALLOW_PARTS_OFF="${HYBRID_DRAFT_ALLOW_PARTS_OFF}"' in run
+    assert "ARG HYBRID_DRAFT_ALLOW_PARTS_OFF" in final and "ENV" not in final
     assert "ENTRYPOINT" not in final and "CMD" not in final  # the base's entrypoint is kept
     # Root for the install only: the base's user is checked first and restored last.
     users = re.findall(r"^USER\s+(\S+)$", final, re.M)
@@ -153,16 +180,33 @@ def test_doctor_fails_when_the_hook_is_disabled() -> None:
 # --- docker-bake.hcl -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("release", vllm_releases())
+def test_vllm_version_alone_moves_the_base_the_tags_and_the_labels(release: str) -> None:
+    """`VLLM_VERSION=X docker buildx bake [official|official-nonroot]` builds on that
+    release's official image, tags and labels it so, whatever the default is."""
+    env = {"VLLM_VERSION": release}
+    for target, base in (
+        ("local", f"vllm/vllm-openai:v{release}"),
+        ("official", f"vllm/vllm-openai:v{release}"),
+        ("official-nonroot", f"vllm/vllm-openai:v{release}-nonroot"),
+    ):
+        args = bake_args(target, env)
+        assert (args["BASE_IMAGE"], args["VLLM_VERSION"]) == (base, release), target
+        assert all(f"v{release}" in t for t in bake_tags(target, env)), target
+
+
 def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
     b = bake()
     env = bake_defaults(b)
     p = pins()
     from hybrid_draft import __version__
 
-    assert (env["VLLM_VERSION"], env["INSTANTTENSOR_VERSION"]) == (p["vllm"], p["instanttensor"])
+    image = image_vllm()
+    assert (env["VLLM_VERSION"], env["INSTANTTENSOR_VERSION"]) == (image, p["instanttensor"])
     assert env["HYBRID_DRAFT_VERSION"] == __version__
-    assert env["BASE_IMAGE"] == f"vllm/vllm-openai:v{p['vllm']}"
-    assert env["NONROOT_BASE_IMAGE"] == f"vllm/vllm-openai:v{p['vllm']}-nonroot"
+    assert env["BASE_IMAGE"] == f"vllm/vllm-openai:v{image}"
+    assert env["NONROOT_BASE_IMAGE"] == f"vllm/vllm-openai:v{image}-nonroot"
+    assert env["HYBRID_DRAFT_ALLOW_PARTS_OFF"] == ""
     assert env["BASE_USER"] == "root"
     assert b["group"]["default"]["targets"] == ["local"]
     assert b["group"]["release"]["targets"] == ["official", "official-nonroot", "spark"]
@@ -180,7 +224,7 @@ def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
         assert set(target["args"]) == dockerfile, name  # exactly the Dockerfile's ARGs
         assert target["dockerfile"] == "Dockerfile" and target["context"] == "."
         tags = [interpolate(t, env) for t in target["tags"]]
-        assert all(p["vllm"] in t for t in tags), (name, tags)
+        assert all(image in t for t in tags), (name, tags)
     official = resolved_target(b, "official")
     assert official["platforms"] == '${split(",", PLATFORMS)}'
     assert env["PLATFORMS"].split(",") == ["linux/amd64", "linux/arm64"]

@@ -27,7 +27,7 @@ import buildah
 import engine as docker_engine
 import localbase
 import textmod
-from buildfiles import REPO, bake_args, bake_tags, pins
+from buildfiles import REPO, bake_args, bake_tags, pins, vllm_releases
 
 WORK = REPO / "build" / "image-test"
 FIGURES: dict[str, Any] = {}
@@ -153,6 +153,8 @@ class Bases:
             elif kind == "local-version":
                 made = localbase.variant(self["official"], kind, LOCAL_VERSION_SCRIPT)
                 self._tags[kind] = made
+            elif kind == "previous-release":  # the same stand-in: only the release differs
+                self._tags[kind] = self["official"]
             elif kind == "arm64":
                 self._tags[kind] = localbase.arm64(timings, WORK)
             elif kind == "stacked-mod":
@@ -292,6 +294,17 @@ BAKE: dict[str, tuple[str, dict[str, str], str]] = {
     "local-version": (
         "local",
         {"REPOSITORY": "hybrid-draft/image-test", "TAG": "local-version"},
+        "BASE_IMAGE",
+    ),
+    # The official target on the previous supported release (pins.txt's vllm-releases):
+    # `VLLM_VERSION=0.33.0 docker buildx bake official`, its tag and labels following.
+    "previous-release": (
+        "official",
+        {
+            "VLLM_VERSION": vllm_releases()[-2],
+            "PLATFORMS": "linux/amd64",
+            "REPOSITORY": "hybrid-draft/image-test",
+        },
         "BASE_IMAGE",
     ),
     # The official target's arm64 half alone, with the default (docker driver) builder.
