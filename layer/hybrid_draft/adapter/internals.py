@@ -30,7 +30,7 @@ import functools
 import inspect
 import sys
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -732,14 +732,38 @@ def weights_complete(check: Callable[[set[str]], None], model: Any, loaded: set[
     return True
 
 
+#: vLLM's switches that tell an MTP class's ``load_weights`` it holds only part of the
+#: checkpoint: 0.33's context manager, or 0.34's process-wide "weight update" flag.
+MTP_COMPLETENESS_SWITCH = (
+    "vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check"
+)
+WEIGHT_UPDATE_FLAG = "vllm.model_executor.model_loader.reload.lifecycle:_weight_update_active"
+
+
+@contextlib.contextmanager
+def _weight_update(module: ModuleType, attr: str) -> Iterator[None]:
+    saved = getattr(module, attr)
+    setattr(module, attr, True)
+    try:
+        yield
+    finally:
+        setattr(module, attr, saved)
+
+
 def mtp_partial_load() -> contextlib.AbstractContextManager[Any]:
     """vLLM's switch that turns off the MTP classes' "every MTP layer loaded" check for
-    one ``load_weights`` call (a no-op on a vLLM without that check)."""
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-    except ImportError:
+    one ``load_weights`` call (a no-op on a vLLM without one)."""
+    switch = _lookup(MTP_COMPLETENESS_SWITCH, None)
+    if switch is not _ABSENT and callable(switch):
+        manager: contextlib.AbstractContextManager[Any] = switch()
+        return manager
+    module_name, _, attr = WEIGHT_UPDATE_FLAG.partition(":")
+    module = sys.modules.get(module_name)
+    if module is None:
+        try:
+            module = __import__(module_name, fromlist=["_"])
+        except Exception:  # a vLLM without it checks nothing to turn off
+            return contextlib.nullcontext()
+    if not isinstance(getattr(module, attr, None), bool):
         return contextlib.nullcontext()
-    manager: contextlib.AbstractContextManager[Any] = disable_mtp_completeness_check()
-    return manager
+    return _weight_update(module, attr)
