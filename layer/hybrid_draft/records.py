@@ -134,6 +134,9 @@ class Decision:
     planned_bytes: Opt[int] = ABSENT
     tensor_filter: Opt[bool] = ABSENT
     sources: Opt[Sources] = ABSENT
+    #: Why a source the draft takes nothing from (``stream``, ``replaced_by_target``) is
+    #: empty: a reason code, then ``: `` and the detail.
+    sources_detail: Opt[Mapping[str, str]] = ABSENT
     pipeline_parallel_size: Opt[int] = ABSENT
     process_group: Opt[str] = ABSENT
     where: Where = dataclasses.field(metadata={"flatten": Where})

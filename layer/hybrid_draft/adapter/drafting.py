@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybrid_draft import policy, records, settings
-from hybrid_draft.adapter import calls, hold, internals, loaders
+from hybrid_draft.adapter import calls, hold, internals, loaders, parts
 from hybrid_draft.planning import DraftPlan
 from hybrid_draft.records import ABSENT, Opt
 
@@ -41,6 +41,8 @@ class Draft:
     selection: Opt[Mapping[str, int]] = ABSENT
     #: Where the plan takes the draft's tensors from (a draft read by its plan).
     sources: Opt[records.Sources] = ABSENT
+    #: Why a source of ``sources`` is empty.
+    sources_detail: Opt[Mapping[str, str]] = ABSENT
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,12 @@ def draft(
             pipeline_parallel_size=call.vllm_config.parallel_config.pipeline_parallel_size,
             method=request.method,
         )
+    sources: Opt[records.Sources] = ABSENT
+    if read is not None:
+        sources = read.plan.sources(set(found.hold.tensors) if found.hold is not None else ())
+    skip_off = None
+    if request.method == "mtp" and bool(current.skip_replaced.value):
+        skip_off = parts.part_off("skip_replaced")  # said once, with part_skipped
     return Draft(
         decision=decision,
         load_config=load_config,
@@ -192,9 +200,49 @@ def draft(
         plan_error=plan_error,
         warnings=warnings,
         selection=selection,
-        sources=(
-            read.plan.sources(set(found.hold.tensors) if found.hold is not None else ())
-            if read is not None
+        sources=sources,
+        sources_detail=(
+            empty_sources(sources, found, scope, request, current, skip_off)
+            if not isinstance(sources, records.Absent)
             else ABSENT
         ),
     )
+
+
+def empty_sources(
+    sources: records.Sources,
+    found: Held,
+    scope: hold.Scope | None,
+    request: policy.Request,
+    current: settings.Settings,
+    skip_off: str | None,
+) -> Opt[Mapping[str, str]]:
+    """Why the draft takes nothing from the target's stream, or skips nothing that vLLM
+    replaces, where that is so (absent: it takes from both)."""
+    out = {}
+    if not sources.get("stream", {}).get("tensors"):
+        if found.released:
+            why = "released: the settings changed between the target's load and the draft's"
+        elif found.hold is not None:
+            why = "hold_empty: the target's stream kept none of this draft's tensors"
+        elif scope is None:
+            why = "no_load_scope: the draft was not loaded inside a model runner's load_model"
+        elif (off := parts.part_off("one_pass") or parts.part_off("draft_loaders")) is not None:
+            why = f"part_skipped: {off}"
+        else:
+            why = "no_hold: the target's load kept no stream for this draft (its one_pass)"
+        out["stream"] = why
+    if not sources.get("replaced_by_target", {}).get("tensors"):
+        if not bool(current.skip_replaced.value):
+            why = "skip_replaced_off: the skip_replaced setting is off"
+        elif request.method != "mtp":
+            why = f"not_mtp: vLLM replaces nothing in a {request.method} draft"
+        elif skip_off is not None:
+            why = f"part_skipped: {skip_off}"
+        else:
+            why = (
+                "kept_by_draft: vLLM replaces none of this draft's tensors (its class keeps "
+                "its own embedding and head, or the pipeline has several stages)"
+            )
+        out["replaced_by_target"] = why
+    return out or ABSENT

@@ -30,7 +30,7 @@ import functools
 import inspect
 import sys
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,9 @@ MODULE = "vllm.model_executor.model_loader"
 TARGET = f"{MODULE}.get_model"
 #: The parameters of ``get_model`` the wrapper reads.
 REQUIRED = ("vllm_config", "model_config", "load_config")
+#: The vLLM releases every part of the layer is on for, and tested on (``hybrid-draft
+#: doctor`` fails where a part is off on one of them). 0.32.0 is vLLM's CPU build.
+SUPPORTED_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 #: The original instanttensor-hybrid-draft-loader mod's marker in the file it rewrites.
 TEXT_PATCH_MARKER = "# spark-vllm mod: instanttensor-hybrid-draft-loader"
 
@@ -69,6 +72,13 @@ class Name:
     keywords: tuple[str, ...] = ()
     returns: int | None = None
     fields: tuple[str, ...] = ()
+    #: Further parameter lists a release may have instead of ``params``, each accepted as
+    #: well; the wrapper passes the arguments of the one found (:func:`params_found`).
+    also: tuple[tuple[str, ...], ...] = ()
+
+    def accepted(self) -> tuple[tuple[str, ...], ...]:
+        """Every parameter list the layer can call this name by, ``params`` first."""
+        return (self.params, *self.also) if self.params is not None else ()
 
     def expected(self) -> str:
         """The shape the layer uses, as :func:`found` writes shapes."""
@@ -76,8 +86,9 @@ class Name:
             return f"fields {', '.join(self.fields)}"
         if self.params is None:
             return "present"
-        args = [*self.params, *(f"*, {k}" if i == 0 else k for i, k in enumerate(self.keywords))]
-        text = f"({', '.join(args)})"
+        kws = [f"*, {k}" if i == 0 else k for i, k in enumerate(self.keywords)]
+        texts = [f"({', '.join([*params, *kws])})" for params in self.accepted()]
+        text = " or ".join(texts)
         return text + (f" -> {self.returns} values" if self.returns is not None else "")
 
 
@@ -106,7 +117,12 @@ SOURCE = Name(
         "is_unused_weight",
     ),
 )
-INIT_EP_WEIGHT_FILTER = Name(f"{_DL}._init_ep_weight_filter", ("self", "model_config"))
+#: 0.33: ``(self, model_config)``; 0.34 also passes the model (read under EPLB only).
+INIT_EP_WEIGHT_FILTER = Name(
+    f"{_DL}._init_ep_weight_filter",
+    ("self", "model_config"),
+    also=(("self", "model", "model_config"),),
+)
 LOCAL_EXPERT_IDS = Name("loader.local_expert_ids")
 ENCODER_ONLY_PREFIXES = Name("loader._encoder_only_lm_prefixes")
 ENCODER_ONLY_MAPPER = Name("loader._encoder_only_weights_mapper")
@@ -138,12 +154,42 @@ FILTER_BY_WEIGHT_NAME = Name(
     f"{_D}:filter_safetensors_files_by_weight_name", ("hf_weights_files", "is_unused_weight")
 )
 CURRENT_CONFIG_OR_NONE = Name("vllm.config:get_current_vllm_config_or_none", ())
+#: 0.34's merged linear layers record the shards a load filled; ``track_weights_loading``
+#: pops that record. Not part of any part: where present, a question to that check keeps it.
+LOADED_SHARD_IDS = "loaded_shard_ids"
 
-#: The private vLLM names each part of the layer relies on. A part with a name missing or
-#: of another shape is off.
-PARTS: Mapping[str, tuple[Name, ...]] = MappingProxyType(
+# The proposers' replacement of an MTP draft's embedding and head (the skip relies on it).
+_V1 = "vllm.v1.spec_decode.eagle:EagleProposer"
+_MRV2 = "vllm.v1.worker.gpu.spec_decode.eagle.utils"
+SHARE_EMBEDDINGS_V1 = Name(f"{_V1}._maybe_share_embeddings")
+SHARE_LM_HEAD_V1 = Name(f"{_V1}._maybe_share_lm_head")
+SHARE_TARGET_EMBED = Name(
+    f"{_MRV2}:maybe_share_target_embed", ("draft_model", "draft_inner", "target_inner")
+)
+SHARE_TARGET_LM_HEAD = Name(
+    f"{_MRV2}:share_target_lm_head", ("draft_model", "target_lm_head", "quantization")
+)
+LOAD_EAGLE_MODEL = Name(f"{_MRV2}:load_eagle_model", ("target_model", "vllm_config"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One set of private names a part works with, as one line of vLLM releases has them
+    (``label`` says which, for ``hybrid-draft doctor``)."""
+
+    label: str
+    names: tuple[Name, ...]
+
+
+def _one(*names: Name) -> tuple[Layout, ...]:
+    return (Layout("", names),)
+
+
+#: The private vLLM names each part of the layer relies on, as the layouts it accepts: a
+#: part is on where every name of one of its layouts is present in the shape the layer uses.
+PARTS: Mapping[str, tuple[Layout, ...]] = MappingProxyType(
     {
-        "draft_loaders": (
+        "draft_loaders": _one(
             PREPARE_WEIGHTS,
             GET_WEIGHTS_ITERATOR,
             GET_ALL_WEIGHTS,
@@ -158,16 +204,16 @@ PARTS: Mapping[str, tuple[Name, ...]] = MappingProxyType(
             GET_MODEL_ARCHITECTURE,
             ENABLE_TQDM,
         ),
-        "one_pass": (
+        "one_pass": _one(
             GET_ALL_WEIGHTS,
             INIT_EP_WEIGHT_FILTER,
             LOAD_MODEL,
             GET_DRAFT_LOAD_CONFIG,
             GET_PP_GROUP,
         ),
-        "direct_loads": (LOAD_MODEL,),
+        "direct_loads": _one(LOAD_MODEL),
         # The pipeline-parallel guard's InstantTensor read without vLLM's world group.
-        "ungrouped_draft": (
+        "ungrouped_draft": _one(
             PREPARE_WEIGHTS,
             GET_WEIGHTS_ITERATOR,
             COUNTER,
@@ -179,8 +225,19 @@ PARTS: Mapping[str, tuple[Name, ...]] = MappingProxyType(
             SHOULD_SKIP_WEIGHT,
             CURRENT_CONFIG_OR_NONE,
         ),
+        # The skip of what vLLM replaces: vLLM must replace the draft's embedding and head.
+        "skip_replaced": (
+            Layout("V1 proposers", (SHARE_EMBEDDINGS_V1, SHARE_LM_HEAD_V1, SHARE_TARGET_EMBED)),
+            Layout(
+                "model runner v2",
+                (SHARE_TARGET_EMBED, SHARE_TARGET_LM_HEAD, LOAD_EAGLE_MODEL),
+            ),
+        ),
     }
 )
+#: Parts probed at each use rather than once per process: their modules import vLLM's
+#: model loader themselves, so at the hook (inside that import) they may be half-imported.
+LATE = frozenset({"skip_replaced"})
 
 
 def vllm_version() -> str | None:
@@ -200,11 +257,15 @@ class Off:
     shapes: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     #: Set instead when the part failed to install (its names were all as expected).
     failure: str | None = None
+    #: For a part of several layouts: why each is off, by its label.
+    layouts: Mapping[str, Off] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def reason(self) -> str:
         if self.failure is not None:
             return self.failure
+        if self.layouts:
+            return "; ".join(f"{label}: {off.reason}" for label, off in self.layouts.items())
         parts = []
         if self.missing:
             parts.append(f"this vLLM has no {', '.join(self.missing)}")
@@ -223,6 +284,12 @@ class Capabilities:
     missing: frozenset[str]
     #: Every probed name of another shape than the layer's, with the shape found.
     shapes: Mapping[str, str]
+    #: The parameter list found of each probed name that accepts several.
+    params: Mapping[str, tuple[str, ...]] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    #: The label of the layout each part of several is on by.
+    layouts: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     def reason(self, part: str) -> str | None:
         """Why ``part`` is off (None: it is on)."""
@@ -241,7 +308,9 @@ class Capabilities:
         return dataclasses.replace(self, off=off)
 
 
-_BY_PATH = {name.path: name for names in PARTS.values() for name in names}
+_BY_PATH = {
+    name.path: name for layouts in PARTS.values() for layout in layouts for name in layout.names
+}
 _ABSENT = object()
 
 
@@ -280,8 +349,39 @@ def _returned(function: Callable[..., object]) -> set[int]:
     return out
 
 
+def _takes(expected: tuple[str, ...], keywords: tuple[str, ...], signature: Any) -> bool:
+    """Whether a callable of ``signature`` takes exactly ``expected`` by position, requires
+    nothing else and takes ``keywords``."""
+    params = list(signature.parameters.values())
+    positional = [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    names = tuple(p.name for p in positional[: len(expected)])
+    kinds_ok = all(p.kind != p.VAR_POSITIONAL for p in positional[: len(expected)])
+    extra_required = [
+        p
+        for p in params[len(expected) :]
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return (
+        names == expected and kinds_ok and not extra_required and all(k in named for k in keywords)
+    )
+
+
+def params_found(name: Name, obj: object) -> tuple[str, ...] | None:
+    """Which of ``name``'s accepted parameter lists ``obj`` takes (None: none of them)."""
+    try:
+        signature = inspect.signature(obj)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return next((p for p in name.accepted() if _takes(p, name.keywords, signature)), None)
+
+
 def found(name: Name, obj: object) -> str | None:
-    """The shape ``obj`` has if it is not the one ``name`` is used by (None: it is)."""
+    """The shape ``obj`` has if it is not one ``name`` is used by (None: it is)."""
     if name.fields:
         try:
             have = {f.name for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
@@ -297,30 +397,11 @@ def found(name: Name, obj: object) -> str | None:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):
         return "a callable without a readable signature"
-    params = list(signature.parameters.values())
     signature = signature.replace(  # the shape, without annotations
-        parameters=[p.replace(annotation=p.empty) for p in params],
+        parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
         return_annotation=signature.empty,
     )
-    positional = [
-        p
-        for p in params
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-    ]
-    names = tuple(p.name for p in positional[: len(name.params)])
-    kinds_ok = all(p.kind != p.VAR_POSITIONAL for p in positional[: len(name.params)])
-    extra_required = [
-        p
-        for p in params[len(name.params) :]
-        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
-    keywords = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if (
-        names != name.params
-        or not kinds_ok
-        or extra_required
-        or any(k not in keywords for k in name.keywords)
-    ):
+    if params_found(name, obj) is None:
         return f"{signature}"
     if name.returns is not None:
         lengths = _returned(obj)
@@ -339,32 +420,79 @@ def _fresh_loader() -> object:
         return None
 
 
-@functools.cache
-def capabilities() -> Capabilities:
-    """Probe every name of :data:`PARTS` against this vLLM, once per process."""
-    loader = _fresh_loader()
-    missing: dict[str, str] = {}
-    shapes: dict[str, str] = {}
-    for path, name in _BY_PATH.items():
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    missing: dict[str, str]
+    shapes: dict[str, str]
+    params: dict[str, tuple[str, ...]]
+
+
+def _probe(names: Mapping[str, Name]) -> _Probe:
+    loader = _fresh_loader() if any(p.startswith("loader.") for p in names) else None
+    out = _Probe({}, {}, {})
+    for path, name in names.items():
         obj = _lookup(path, loader)
         if obj is _ABSENT:
-            missing[path] = path
+            out.missing[path] = path
             continue
         shape = found(name, obj)
         if shape is not None:
-            shapes[path] = shape
+            out.shapes[path] = shape
+        elif name.also:
+            out.params[path] = params_found(name, obj) or ()
+    return out
+
+
+def _part_off(layouts: tuple[Layout, ...], probe: _Probe) -> tuple[Off | None, str]:
+    """Whether a part of ``layouts`` is off by ``probe`` (None: on), and the label of the
+    layout it is on by."""
+    offs: dict[str, Off] = {}
+    for layout in layouts:
+        lacking = tuple(n.path for n in layout.names if n.path in probe.missing)
+        other = {n.path: probe.shapes[n.path] for n in layout.names if n.path in probe.shapes}
+        if not lacking and not other:
+            return None, layout.label
+        offs[layout.label] = Off(missing=lacking, shapes=MappingProxyType(other))
+    if len(offs) == 1:
+        return next(iter(offs.values())), ""
+    return Off(
+        missing=tuple(dict.fromkeys(p for o in offs.values() for p in o.missing)),
+        shapes=MappingProxyType({k: v for o in offs.values() for k, v in o.shapes.items()}),
+        layouts=MappingProxyType(offs),
+    ), ""
+
+
+@functools.cache
+def capabilities() -> Capabilities:
+    """Probe every name of :data:`PARTS` but the :data:`LATE` ones against this vLLM, once
+    per process."""
+    early = {part: layouts for part, layouts in PARTS.items() if part not in LATE}
+    names = {n.path: n for layouts in early.values() for lay in layouts for n in lay.names}
+    probe = _probe(names)
     off: dict[str, Off] = {}
-    for part, names in PARTS.items():
-        lacking = tuple(n.path for n in names if n.path in missing)
-        other = {n.path: shapes[n.path] for n in names if n.path in shapes}
-        if lacking or other:
-            off[part] = Off(missing=lacking, shapes=MappingProxyType(other))
+    labels: dict[str, str] = {}
+    for part, layouts in early.items():
+        why, label = _part_off(layouts, probe)
+        if why is not None:
+            off[part] = why
+        elif label:
+            labels[part] = label
     return Capabilities(
         vllm_version=vllm_version(),
         off=MappingProxyType(off),
-        missing=frozenset(missing),
-        shapes=MappingProxyType(shapes),
+        missing=frozenset(probe.missing),
+        shapes=MappingProxyType(probe.shapes),
+        params=MappingProxyType(probe.params),
+        layouts=MappingProxyType(labels),
     )
+
+
+def late_part(part: str) -> tuple[Off | None, str]:
+    """Probe one :data:`LATE` part now: why it is off (None: on), and the label of the
+    layout it is on by. Asked at each use: the answer is vLLM's as it is now."""
+    layouts = PARTS[part]
+    probe = _probe({n.path: n for lay in layouts for n in lay.names})
+    return _part_off(layouts, probe)
 
 
 class Unsupported(Exception):
@@ -466,7 +594,20 @@ def local_expert_filter(
     _require(INIT_EP_WEIGHT_FILTER)
     _require(LOCAL_EXPERT_IDS)
     probe = DefaultModelLoader(load_config)
-    probe._init_ep_weight_filter(model_config)
+    takes = capabilities().params.get(INIT_EP_WEIGHT_FILTER.path, INIT_EP_WEIGHT_FILTER.params)
+    init: Callable[..., None] = probe._init_ep_weight_filter  # by the shape found
+    if takes == ("self", "model_config"):
+        init(model_config)
+    else:
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+        if current is not None and current.parallel_config.enable_eplb:
+            # Under EPLB vLLM filters by the layout of the draft it has built, which does
+            # not exist yet: keep every expert (the draft's own load still filters).
+            return lambda name: False
+        # Without EPLB the model is not read: the draft's is not built yet.
+        init(None, model_config)
     local = probe.local_expert_ids
     return lambda name: should_skip_weight(name, local)
 
@@ -567,31 +708,62 @@ def speculative_architectures() -> dict[str, tuple[str, str]]:
 
 def share_mechanism_problem() -> str | None:
     """Why this vLLM's proposers will not replace an MTP draft's embedding and head with
-    the target's (None: they will), by the private names they do it through. Asked at each
-    draft plan, not once per process: the answer is the proposers' as they are now."""
+    the target's (None: they will): the ``skip_replaced`` part, probed now."""
+    off, _ = late_part("skip_replaced")
+    return off.reason if off is not None else None
+
+
+def weights_complete(check: Callable[[set[str]], None], model: Any, loaded: set[str]) -> bool:
+    """vLLM's "weights were not initialized" check (``check``) as a question: whether it
+    passes with ``loaded``. Where merged linear layers record the shards a load filled and
+    the check pops that record (0.34), the record is kept for vLLM's own check after."""
+    kept = [
+        (module, dict(getattr(module, LOADED_SHARD_IDS)))
+        for module in model.modules()
+        if isinstance(getattr(module, LOADED_SHARD_IDS, None), dict)
+    ]
     try:
-        from vllm.v1.spec_decode.eagle import EagleProposer
-        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-        from vllm.v1.worker.gpu.spec_decode.eagle import utils as mrv2
-    except Exception as exc:  # a vLLM of another shape: nothing is skipped
-        return f"vLLM's proposers do not import: {type(exc).__name__}: {exc}"
-    for name in ("_maybe_share_embeddings", "_maybe_share_lm_head"):
-        base = getattr(SpecDecodeBaseProposer, name, None)
-        if base is None or getattr(EagleProposer, name, None) is not base:
-            return f"EagleProposer has no vLLM {name}"
-    if not callable(getattr(mrv2, "maybe_share_target_embed", None)):
-        return "model runner v2 has no maybe_share_target_embed"
-    return None
+        check(set(loaded))
+    except ValueError:
+        return False
+    finally:
+        for module, record in kept:
+            setattr(module, LOADED_SHARD_IDS, record)
+    return True
+
+
+#: vLLM's switches that tell an MTP class's ``load_weights`` it holds only part of the
+#: checkpoint: 0.33's context manager, or 0.34's process-wide "weight update" flag.
+MTP_COMPLETENESS_SWITCH = (
+    "vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check"
+)
+WEIGHT_UPDATE_FLAG = "vllm.model_executor.model_loader.reload.lifecycle:_weight_update_active"
+
+
+@contextlib.contextmanager
+def _weight_update(module: ModuleType, attr: str) -> Iterator[None]:
+    saved = getattr(module, attr)
+    setattr(module, attr, True)
+    try:
+        yield
+    finally:
+        setattr(module, attr, saved)
 
 
 def mtp_partial_load() -> contextlib.AbstractContextManager[Any]:
     """vLLM's switch that turns off the MTP classes' "every MTP layer loaded" check for
-    one ``load_weights`` call (a no-op on a vLLM without that check)."""
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-    except ImportError:
+    one ``load_weights`` call (a no-op on a vLLM without one)."""
+    switch = _lookup(MTP_COMPLETENESS_SWITCH, None)
+    if switch is not _ABSENT and callable(switch):
+        manager: contextlib.AbstractContextManager[Any] = switch()
+        return manager
+    module_name, _, attr = WEIGHT_UPDATE_FLAG.partition(":")
+    module = sys.modules.get(module_name)
+    if module is None:
+        try:
+            module = __import__(module_name, fromlist=["_"])
+        except Exception:  # a vLLM without it checks nothing to turn off
+            return contextlib.nullcontext()
+    if not isinstance(getattr(module, attr, None), bool):
         return contextlib.nullcontext()
-    manager: contextlib.AbstractContextManager[Any] = disable_mtp_completeness_check()
-    return manager
+    return _weight_update(module, attr)

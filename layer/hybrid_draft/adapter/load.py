@@ -140,6 +140,7 @@ class Load:
             planned_bytes=selection.get("planned_bytes", ABSENT),
             tensor_filter=draft.read is not None if draft is not None else ABSENT,
             sources=draft.sources if draft is not None else ABSENT,
+            sources_detail=draft.sources_detail if draft is not None else ABSENT,
             pipeline_parallel_size=route.pipeline_parallel_size if route else ABSENT,
             process_group=route.process_group if route else ABSENT,
             where=self.where,

@@ -348,13 +348,12 @@ def _loader_classes() -> dict[str, type]:
 
         def _complete(self, model: Any, model_config: ModelConfig, loaded: set[str]) -> bool:
             """vLLM's own "weights were not initialized" check, as a question."""
-            try:
-                DefaultModelLoader.track_weights_loading(
-                    self, model, set(loaded), quantized=model_config.quantization is not None
-                )
-            except ValueError:
-                return False
-            return True
+            quantized = model_config.quantization is not None
+
+            def check(names: set[str]) -> None:
+                DefaultModelLoader.track_weights_loading(self, model, names, quantized=quantized)
+
+            return internals.weights_complete(check, model, loaded)
 
         def _check_skip(
             self,

@@ -31,13 +31,16 @@ class Installed:
 
 
 def _part_skipped(caps: internals.Capabilities, part: str) -> None:
-    off = caps.off[part]
+    _say_off(part, caps.off[part])
+
+
+def _say_off(part: str, off: internals.Off) -> None:
     shapes: dict[str, Any] = {"shapes": dict(off.shapes)} if off.shapes else {}
     emit(
         "hybrid_draft.part_skipped",
         "warning",
         sink=settings.process_sink(),
-        vllm_version=caps.vllm_version,
+        vllm_version=internals.vllm_version(),
         part=part,
         missing=list(off.missing),
         reason=off.reason,
@@ -72,9 +75,58 @@ def installed() -> Installed:
     return Installed(caps, unmeasured)
 
 
+#: The late parts found off in this process, with why (each said once per reason).
+_LATE_SAID: dict[str, str] = {}
+
+
 def part_off(part: str) -> str | None:
-    """Why ``part`` is off in this process (None: it is on)."""
-    return installed().capabilities.reason(part)
+    """Why ``part`` is off in this process (None: it is on). A part probed at each use
+    (``internals.LATE``) is probed now, and said off once per process and reason."""
+    if part not in internals.LATE:
+        return installed().capabilities.reason(part)
+    off, _ = internals.late_part(part)
+    if off is None:
+        return None
+    if _LATE_SAID.get(part) != off.reason:
+        _LATE_SAID[part] = off.reason
+        _say_off(part, off)
+    return off.reason
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    """One part as ``hybrid-draft doctor`` lists it: on (by which layout, when it has
+    several) or off, and why."""
+
+    part: str
+    on: bool
+    detail: str
+
+
+def states() -> list[State]:
+    """Every part of the layer, on or off here and why, probing this vLLM as it is now
+    (nothing is installed, no event is emitted)."""
+    caps = installed().capabilities if installed.cache_info().currsize else None
+    caps = caps or internals.capabilities()
+    out = []
+    for part, layouts in internals.PARTS.items():
+        if part in internals.LATE:
+            off, label = internals.late_part(part)
+            why = off.reason if off is not None else None
+        else:
+            why, label = caps.reason(part), caps.layouts.get(part, "")
+        if why is not None:
+            out.append(State(part, False, why))
+            continue
+        detail = [f"by {label}" if label else "every name in the shape the layer uses"]
+        detail += [
+            f"{n.path.rpartition(':')[2]}({', '.join(caps.params[n.path])})"
+            for lay in layouts
+            for n in lay.names
+            if n.path in caps.params
+        ]
+        out.append(State(part, True, "; ".join(detail)))
+    return out
 
 
 def check_parts() -> Installed:

@@ -5,19 +5,81 @@ image runs it at build time, so a layer that is not active fails the build. Each
 on its own: one that raises (importing vLLM can raise anything, e.g. next to a torchvision
 built for another torch) is a ``FAIL`` line naming the exception, never a traceback, and
 the checks after it still run.
+
+One line per part of the layer (``internals.PARTS``) says whether vLLM's shape lets it
+run here, and why not: a part off on a supported release (``internals.SUPPORTED_RELEASES``)
+fails, unless ``HYBRID_DRAFT_ALLOW_PARTS_OFF`` names it (or is ``all``), so an image does
+not build with a saving silently off.
 """
 
 from __future__ import annotations
 
+import os
 import site
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from hybrid_draft import __version__, settings
+from hybrid_draft.adapter import internals
 
 Check = tuple[bool, str]
 PTH = "hybrid_draft.pth"
+#: Parts a build may have off on a supported release: comma-separated names, or ``all``.
+ALLOW_ENV = "HYBRID_DRAFT_ALLOW_PARTS_OFF"
+
+
+class AllowError(ValueError):
+    """``HYBRID_DRAFT_ALLOW_PARTS_OFF`` names something that is not a part."""
+
+
+def allowed_off() -> frozenset[str]:
+    """The parts ``HYBRID_DRAFT_ALLOW_PARTS_OFF`` lets be off (empty when unset)."""
+    raw = os.environ.get(ALLOW_ENV, "").strip()
+    if not raw:
+        return frozenset()
+    names = {n.strip().lower() for n in raw.split(",") if n.strip()}
+    if names == {"all"}:
+        return frozenset(internals.PARTS)
+    unknown = sorted(names - set(internals.PARTS))
+    if unknown or not names:
+        raise AllowError(
+            f"{ALLOW_ENV}={raw!r}: {', '.join(unknown) or 'no part'} is not a part; "
+            f"accepted: all, or comma-separated names of {', '.join(internals.PARTS)}"
+        )
+    return frozenset(names)
+
+
+class PartCheck:
+    """The doctor's line for one part: on, or off and why (failing on a supported release
+    unless allowed)."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+        self.__name__ = f"check_part_{part}"
+
+    def __call__(self) -> Check:
+        import vllm.model_executor.model_loader  # noqa: F401  (the hook probes as it loads)
+
+        from hybrid_draft.adapter import parts
+
+        (state,) = [s for s in parts.states() if s.part == self.part]
+        label = f"part {self.part}"
+        if state.on:
+            return True, f"{label}: on ({state.detail})"
+        version = internals.vllm_version()
+        if self.part in allowed_off():
+            return True, f"{label}: off, allowed by {ALLOW_ENV}: {state.detail}"
+        if version not in internals.SUPPORTED_RELEASES:
+            supported = ", ".join(internals.SUPPORTED_RELEASES)
+            return True, (
+                f"{label}: off on vLLM {version}, not a supported release ({supported}): "
+                f"{state.detail}"
+            )
+        return False, (
+            f"{label}: off on vLLM {version}, a supported release: {state.detail} "
+            f"(set {ALLOW_ENV}={self.part} to accept it)"
+        )
 
 
 def _site_dirs() -> list[str]:
@@ -117,6 +179,7 @@ CHECKS: list[Callable[[], Check]] = [
     check_instanttensor,
     check_selective,
     check_rules,
+    *(PartCheck(part) for part in internals.PARTS),
 ]
 
 
@@ -133,6 +196,11 @@ def isolated(check: Callable[[], Check]) -> Check:
 
 
 def run() -> int:
+    try:
+        allowed_off()
+    except AllowError as exc:
+        print(f"hybrid-draft doctor: {exc}", file=sys.stderr, flush=True)
+        return 2
     failed = 0
     for check in CHECKS:
         ok, line = isolated(check)
