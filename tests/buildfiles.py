@@ -28,6 +28,15 @@ def pins() -> dict[str, str]:
     return out
 
 
+def releases() -> list[str]:
+    """The supported vLLM releases of the CUDA image, oldest first: pins.txt's comment line
+    ``# vllm-releases: ...`` (a constraints file holds one version per name; the scripts read
+    it with ``sed -n 's/^# vllm-releases: //p' pins.txt``)."""
+    text = (REPO / "pins.txt").read_text()
+    m = re.search(r"^# vllm-releases: (.+)$", text, re.MULTILINE)
+    return m.group(1).split() if m else []
+
+
 def interpolate(text: str, env: dict[str, str]) -> str:
     """Compose/bake-style ``${VAR}`` and ``${VAR:-default}`` (defaults may nest ``${}``)."""
     pattern = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^${}]*))?\}")

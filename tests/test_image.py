@@ -23,6 +23,7 @@ from buildfiles import (
     dockerfile_args,
     interpolate,
     pins,
+    releases,
     resolved_target,
 )
 from conftest import REPO, Events, Recorder, engine_config, load_target_and_draft
@@ -63,14 +64,31 @@ def test_dockerfile_defaults_are_the_pins() -> None:
 
 
 def test_the_environment_holds_the_pins_and_vllms_own_torch() -> None:
-    """scripts/test installs vLLM with pins.txt as constraints: the pinned vLLM and
-    InstantTensor, and the torch that vLLM itself pins exactly (pins.txt needs no line)."""
+    """scripts/test installs vLLM with pins.txt as constraints: the pinned vLLM (or, under
+    scripts/vllm-release, another supported release beside it) and InstantTensor, and the
+    torch that vLLM itself pins exactly (pins.txt needs no line)."""
     from importlib.metadata import requires, version
 
-    assert version("vllm") == pins()["vllm"]
+    assert version("vllm") in releases()
     assert version("instanttensor") == pins()["instanttensor"]
     assert f"torch=={version('torch')}" in [r.replace(" ", "") for r in requires("vllm")]
     assert "torch" not in pins()
+
+
+RELEASES_READ = "sed -n 's/^# vllm-releases: //p' pins.txt"
+
+
+def test_the_supported_releases_start_at_the_pin_and_scripts_test_runs_each() -> None:
+    """pins.txt's ``# vllm-releases:`` line: the pinned vLLM first (the test environment's),
+    newer ones after it, each a release scripts/test hands to scripts/vllm-release."""
+    from packaging.version import Version
+
+    found = releases()
+    assert found[0] == pins()["vllm"] and len(found) >= 2
+    assert [Version(v) for v in found] == sorted(Version(v) for v in found)
+    assert len(set(found)) == len(found)
+    test = (REPO / "scripts" / "test").read_text()
+    assert RELEASES_READ in test and "scripts/vllm-release" in test
 
 
 def test_pins_are_a_constraints_file_and_the_scripts_read_them_so() -> None:
@@ -82,7 +100,8 @@ def test_pins_are_a_constraints_file_and_the_scripts_read_them_so() -> None:
     ]
     assert all(re.fullmatch(r"[a-z0-9-]+==[\w.+]+", ln) for ln in lines), lines
     for script in ("scripts/test", "scripts/cpu-env.sh", "docker/install-layer.sh"):
-        text = (REPO / script).read_text()
+        # The one read of the releases' comment line aside.
+        text = (REPO / script).read_text().replace(RELEASES_READ, "")
         assert "pin()" not in text and "sed -n" not in text, script
     assert "--constraint pins.txt" in (REPO / "scripts" / "test").read_text()
     assert '--constraint "$PINS"' in (REPO / "scripts" / "cpu-env.sh").read_text()
