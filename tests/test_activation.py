@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 import textwrap
 import types
 from importlib.metadata import version
@@ -15,7 +14,11 @@ from typing import Any
 
 import pytest
 
-SITE = Path(sysconfig.get_paths()["purelib"])
+import hybrid_draft
+
+#: The site-packages the wheel is installed in: this Python's own, or, in an environment
+#: scripts/vllm-release layers on it for another vLLM release, the one it adds after its own.
+SITE = Path(hybrid_draft.__file__).parents[1]
 
 
 def python(
