@@ -38,7 +38,7 @@ class Family:
     files: dict[str, str] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
     #: How the proof runs its load_weights (docs/rules.md says why): "engine"
-    #: (vLLM's EngineArgs and EagleProposer) or "direct" (the class built from this config,
+    #: (vLLM's EngineArgs and load_eagle_model) or "direct" (the class built from this config,
     #: "plain" or as the config class vLLM registers for its model_type).
     route: str = "engine"
     direct_config: str = "plain"

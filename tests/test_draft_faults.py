@@ -1,7 +1,7 @@
 """Faults under a real draft load: a shard that changes under the reader, settings that change
 between the target's load and the draft's.
 
-Real vLLM 0.33 on the CPU, as in test_loader_real.py. A shard truncated while the draft's
+Real vLLM on the CPU, as in test_loader_real.py. A shard truncated while the draft's
 reader has it open must fail the load with ``hybrid_draft.load_failed`` naming the shard;
 a memory-mapped reader would instead die of SIGBUS and take pytest with it, so those loads
 run in a child pytest process (the ``child`` tests, skipped in the parent) whose exit status
@@ -176,11 +176,10 @@ def _counts(sizes: dict[str, int]) -> dict[str, int]:
 
 def _load_with_a_change_between(model: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> Any:
     """Target and draft in one load scope, ``env`` set after the target's load."""
-    import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized
     from vllm.model_executor.model_loader import get_model
-    from vllm.v1.spec_decode.eagle import EagleProposer
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
     from hybrid_draft.adapter import hold
 
@@ -190,9 +189,7 @@ def _load_with_a_change_between(model: Path, monkeypatch: pytest.MonkeyPatch, **
         target = get_model(vllm_config=config)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        proposer = EagleProposer(config, torch.device("cpu"), runner=None)
-        proposer.load_model(target)
-    return proposer.model
+        return load_eagle_model(target, config)
 
 
 def _fingerprint() -> str:

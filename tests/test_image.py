@@ -32,6 +32,7 @@ from buildfiles import (
 from conftest import REPO, Events, Recorder, engine_config, load_target_and_draft
 
 BIN = Path(sys.executable).parent
+RELEASES_READ = "sed -n 's/^# vllm-releases: //p' pins.txt"
 
 
 # --- Dockerfile ----------------------------------------------------------------------------
@@ -60,18 +61,22 @@ def test_the_supported_releases_are_one_line_of_pins_oldest_first() -> None:
     """pins.txt's ``# vllm-releases:`` line: the test environment's ``vllm==`` among them,
     oldest first; the newest is the image's default base."""
     releases = vllm_releases()
-    assert pins()["vllm"] in releases
+    assert releases[0] == pins()["vllm"]
     assert len(set(releases)) == len(releases) >= 2
     assert sorted(releases, key=lambda v: tuple(int(x) for x in v.split("."))) == releases
     assert image_vllm() == releases[-1]
     # The form scripts read it in.
     out = subprocess.run(
-        ["sed", "-n", "s/^# vllm-releases: //p", str(REPO / "pins.txt")],
+        ["sh", "-c", RELEASES_READ],
+        cwd=REPO,
         capture_output=True,
         text=True,
         check=True,
     )
     assert out.stdout.split() == releases
+    # scripts/test runs the in-process suite on each further release.
+    test = (REPO / "scripts" / "test").read_text()
+    assert RELEASES_READ in test and "scripts/vllm-release" in test
 
 
 def test_dockerfile_defaults_are_the_pins() -> None:
@@ -86,11 +91,12 @@ def test_dockerfile_defaults_are_the_pins() -> None:
 
 
 def test_the_environment_holds_the_pins_and_vllms_own_torch() -> None:
-    """scripts/test installs vLLM with pins.txt as constraints: the pinned vLLM and
-    InstantTensor, and the torch that vLLM itself pins exactly (pins.txt needs no line)."""
+    """scripts/test installs vLLM with pins.txt as constraints: the pinned vLLM (or, under
+    scripts/vllm-release, another supported release beside it) and InstantTensor, and the
+    torch that vLLM itself pins exactly (pins.txt needs no line)."""
     from importlib.metadata import requires, version
 
-    assert version("vllm") == pins()["vllm"]
+    assert version("vllm") in vllm_releases()
     assert version("instanttensor") == pins()["instanttensor"]
     assert f"torch=={version('torch')}" in [r.replace(" ", "") for r in requires("vllm")]
     assert "torch" not in pins()
@@ -105,7 +111,8 @@ def test_pins_are_a_constraints_file_and_the_scripts_read_them_so() -> None:
     ]
     assert all(re.fullmatch(r"[a-z0-9-]+==[\w.+]+", ln) for ln in lines), lines
     for script in ("scripts/test", "scripts/cpu-env.sh", "docker/install-layer.sh"):
-        text = (REPO / script).read_text()
+        # The one read of the releases' comment line aside.
+        text = (REPO / script).read_text().replace(RELEASES_READ, "")
         assert "pin()" not in text and "sed -n" not in text, script
     assert "--constraint pins.txt" in (REPO / "scripts" / "test").read_text()
     assert '--constraint "$PINS"' in (REPO / "scripts" / "cpu-env.sh").read_text()

@@ -89,3 +89,28 @@ def test_no_module_imports_itself_back() -> None:
     except graphlib.CycleError as exc:
         cycle = " -> ".join(reversed(exc.args[1]))
         raise AssertionError(f"an import cycle: {cycle}") from None
+
+
+def test_the_design_map_names_every_runtime_module() -> None:
+    """docs/design.md's map of the package lists every module of the runtime (all but
+    ``tools/`` and ``__main__``), each under its folder: a module added to the runtime is
+    added to the map."""
+    text = (PACKAGE.parents[1] / "docs" / "design.md").read_text()
+    block = text.split("## Architecture", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    named, folder = set(), ""
+    for line in block.splitlines():
+        entry = line.strip().split(" ", 1)[0]
+        if not entry or line.startswith("layer/"):
+            continue
+        if entry.endswith("/"):
+            folder = entry if line.startswith("  ") and not line.startswith("   ") else folder
+            continue
+        if entry.endswith(".py"):
+            named.add(f"{folder}{entry}" if line.startswith("    ") else entry)
+    relative = [path.relative_to(PACKAGE) for _, path in modules()]
+    runtime = {
+        str(rel)
+        for rel in relative
+        if rel.parts[0] != "tools" and rel.name not in ("__init__.py", "__main__.py")
+    }
+    assert runtime - named == set()

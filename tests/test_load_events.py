@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from conftest import Events, Recorder, engine_config, load_target_and_draft, rule_keeps
 from hybrid_draft import checkpoint
@@ -36,10 +35,11 @@ LOADED_KEYS = {
 }
 
 
-def _draft_proposer(config: Any) -> Any:
-    from vllm.v1.spec_decode.eagle import EagleProposer
+def _load_draft(target: Any, config: Any) -> Any:
+    """The draft's load as model runner v2 makes it (``load_eagle_model``)."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
-    return EagleProposer(config, torch.device("cpu"), runner=None)
+    return load_eagle_model(target, config)
 
 
 def test_every_load_says_what_it_read(
@@ -109,7 +109,7 @@ def test_bytes_read_come_from_storage(
     def load_draft_again() -> dict[str, Any]:
         config = engine_config(deepseek)  # a draft's layers register once per config
         with set_current_vllm_config(config):
-            _draft_proposer(config).load_model(loaded.target)
+            _load_draft(loaded.target, config)
         return events.named("hybrid_draft.loaded")[-1]
 
     warm = load_draft_again()  # (the first draft load above imported the draft's code)

@@ -1,4 +1,4 @@
-"""The layer inside real vLLM 0.33 on the CPU: real engine configs, real ``get_model``, real
+"""The layer inside real vLLM on the CPU: real engine configs, real ``get_model``, real
 draft routes. Only InstantTensor's reads are replaced (they need CUDA)."""
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def test_instanttensor_mode_passes_the_draft_to_instanttensor(
     assert callable(get_model)
 
 
-# --- every route vLLM 0.33 loads a draft by ------------------------------------------------
+# --- every route a supported vLLM loads a draft by (V1 routes: 0.33 only) ----------------
 
 
 @pytest.mark.parametrize("route", ["eagle", "mrv2_eagle"])

@@ -24,6 +24,7 @@ from conftest import (
     draft_tensors,
     engine_config,
     load_target_and_draft,
+    vllm_module,
 )
 from hybrid_draft import checkpoint
 
@@ -226,13 +227,26 @@ def test_no_scope_no_hold(qwen35: Path, events: Events, instanttensor_standin: R
     assert target["one_pass"]["reason"] == "no_load_scope"
 
 
-def test_the_model_runners_load_model_is_the_scope(vllm_runtime: Any) -> None:
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+@pytest.mark.parametrize(
+    "runner",
+    [
+        # Model runner v2, in every supported release.
+        "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
+        # The V1 runners (0.33; gone in 0.34).
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
+    ],
+)
+def test_the_model_runners_load_model_is_the_scope(runner: str, vllm_runtime: Any) -> None:
+    module, _, name = runner.partition(":")
+    cls = getattr(vllm_module(module), name)
+    assert getattr(cls.load_model, "__hybrid_draft_scope__", False), cls
 
-    for cls in (CPUModelRunner, GPUModelRunner, V2Runner):
-        assert getattr(cls.load_model, "__hybrid_draft_scope__", False), cls
+
+def test_the_cpu_model_runner_v2_load_model_is_the_scope(vllm_runtime: Any) -> None:
+    """0.34's CPU runner subclasses model runner v2 (absent from 0.33)."""
+    cls = vllm_module("vllm.v1.worker.cpu.model_runner").CPUModelRunner
+    assert getattr(cls.load_model, "__hybrid_draft_scope__", False), cls
 
 
 def test_a_target_loaded_by_its_loader_directly_is_decided_and_tapped(
@@ -246,7 +260,7 @@ def test_a_target_loaded_by_its_loader_directly_is_decided_and_tapped(
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized
     from vllm.model_executor.model_loader import get_model_loader
-    from vllm.v1.spec_decode.eagle import EagleProposer
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
     from hybrid_draft.adapter import hold
 
@@ -256,7 +270,7 @@ def test_a_target_loaded_by_its_loader_directly_is_decided_and_tapped(
         target = get_model_loader(config.load_config).load_model(
             vllm_config=config, model_config=config.model_config
         )
-        EagleProposer(config, torch.device("cpu"), runner=None).load_model(target)
+        load_eagle_model(target, config)
     (decision,) = events.decisions("target")
     assert (decision["action"], decision["reason"]) == ("kept", "target_model")
     assert decision["one_pass"]["enabled"] is True

@@ -127,13 +127,13 @@ def test_glm4_moe_mtp_rule_is_exactly_what_load_weights_consumes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The GLM MTP layer is MoE, and vLLM's CPU MoE kernels need vllm._C, which the CUDA
-    wheel lacks: the real get_model (called by the V1 EagleProposer, as in serving) stops in
-    process_weights_after_loading, after load_weights and vLLM's "weights not initialized"
-    check have both run to completion on the real model."""
+    wheel lacks: the real get_model (called by model runner v2's load_eagle_model, as in
+    serving) stops in process_weights_after_loading, after load_weights and vLLM's "weights
+    not initialized" check have both run to completion on the real model."""
     import vllm.model_executor.model_loader.default_loader as default_loader
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized
-    from vllm.v1.spec_decode.eagle import EagleProposer
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
     model = one_shard(ckpt_root, "glm-1shard", synth.glm4_moe("tiny"))
     checked: list[Any] = []
@@ -147,9 +147,9 @@ def test_glm4_moe_mtp_rule_is_exactly_what_load_weights_consumes(
     config = engine_config(model, speculative_config=UNFILTERED)
     with set_current_vllm_config(config):
         ensure_model_parallel_initialized(1, 1)
-        proposer = EagleProposer(config, torch.device("cpu"), runner=None)
+        # The target is first used after the draft's get_model, which stops before.
         with pytest.raises(AttributeError, match="prepack_moe_weight"):
-            proposer._get_model()
+            load_eagle_model(None, config)
     (draft,) = checked
     assert type(draft).__name__ == "Glm4MoeMTP"
     assert consumed.used == rule_keeps(model, draft)
@@ -327,12 +327,13 @@ class _Loaded(Exception):
 
 
 def load_through_vllm(model: Path, f: Family, monkeypatch: pytest.MonkeyPatch) -> tuple:
-    """The real get_model, as the V1 EagleProposer calls it in serving, stopped right after
-    DefaultModelLoader.load_weights: CPU post-processing (MoE prepacking) needs vllm._C."""
+    """The real get_model, as model runner v2's load_eagle_model calls it in serving,
+    stopped right after DefaultModelLoader.load_weights: CPU post-processing (MoE
+    prepacking) needs vllm._C."""
     import vllm.model_executor.model_loader.default_loader as default_loader
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized
-    from vllm.v1.spec_decode.eagle import EagleProposer
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
     built: list[Any] = []
     real = default_loader.DefaultModelLoader.load_weights
@@ -351,8 +352,8 @@ def load_through_vllm(model: Path, f: Family, monkeypatch: pytest.MonkeyPatch) -
     )
     with set_current_vllm_config(config):
         ensure_model_parallel_initialized(1, 1)
-        with pytest.raises(_Loaded):
-            EagleProposer(config, torch.device("cpu"), runner=None)._get_model()
+        with pytest.raises(_Loaded):  # before the target is first used
+            load_eagle_model(None, config)
     return (
         built[0],
         config.model_config.hf_config,

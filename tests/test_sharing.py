@@ -124,8 +124,9 @@ def test_the_skip_matches_on_the_synthetic_checkpoints(
     destinations: Destinations,
     instanttensor_standin: Recorder,
 ) -> None:
-    """vLLM's own rule (Qwen3.5) and this layer's (DeepSeek), through the real proposer,
-    read unfiltered (a user's explicit lazy draft loader: vLLM's path, no skip)."""
+    """vLLM's own rule (Qwen3.5) and this layer's (DeepSeek), through model runner v2's
+    load_eagle_model, read unfiltered (a user's explicit lazy draft loader: vLLM's path, no
+    skip)."""
     model: Path = request.getfixturevalue(fixture)
     spec = {
         "method": "mtp",
@@ -133,18 +134,19 @@ def test_the_skip_matches_on_the_synthetic_checkpoints(
         "draft_load_config": {"load_format": "safetensors"},
     }
     written: dict[str, set[str]] = {}
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu.spec_decode.eagle import utils
 
-    real = SpecDecodeBaseProposer._maybe_share_embeddings
+    real = utils.maybe_share_target_embed
 
-    def record_first(self: Any, target: Any) -> None:  # before vLLM swaps the modules
-        written.update(destinations.params_of(self.model))
-        kept.update(rule_keeps(model, self.model))
-        real(self, target)
+    def record_first(draft: Any, draft_inner: Any, target_inner: Any) -> None:
+        # Called first after the draft's load, before vLLM swaps the modules.
+        written.update(destinations.params_of(draft))
+        kept.update(rule_keeps(model, draft))
+        real(draft, draft_inner, target_inner)
 
     kept: set[str] = set()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SpecDecodeBaseProposer, "_maybe_share_embeddings", record_first)
+        mp.setattr(utils, "maybe_share_target_embed", record_first)
         loaded = load_target_and_draft(engine_config(model, speculative_config=spec))
     skipped, truth = skipped_vs_truth(loaded.draft, kept, written)
     assert skipped == truth and truth
@@ -194,11 +196,17 @@ def test_a_head_vllm_did_not_replace_is_loaded_from_the_checkpoint(
     the checkpoint before the draft serves (when the load scope closes, or at its first
     forward outside one), with a ``replaced_fallback`` event."""
     from safetensors.torch import load_file
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu.spec_decode.eagle import utils
 
     from hybrid_draft.adapter import hold
 
-    monkeypatch.setattr(SpecDecodeBaseProposer, "_maybe_share_lm_head", lambda self, t: None)
+    # vLLM's own test of whether to share, answering "keep the draft's own" for the head.
+    real = utils._should_share
+    monkeypatch.setattr(
+        utils,
+        "_should_share",
+        lambda draft, flag, *a: flag != "has_own_lm_head" and real(draft, flag, *a),
+    )
     head = next(
         load_file(p)["lm_head.weight"]
         for p in sorted(qwen35.glob("*.safetensors"))
