@@ -44,7 +44,6 @@ def image_vllm() -> str:
     return vllm_releases()[-1]
 
 
-
 def interpolate(text: str, env: dict[str, str]) -> str:
     """Compose/bake-style ``${VAR}`` and ``${VAR:-default}`` (defaults may nest ``${}``)."""
     pattern = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^${}]*))?\}")
