@@ -55,7 +55,8 @@ SOURCES = ("env", "file", "default")
 
 #: The settings that change what a load decides or reads: the fingerprint covers exactly
 #: these. The log level and the events file change only what is reported (and an events
-#: file is often a per-host path), so ranks that load alike keep one fingerprint.
+#: file is often a per-host path), so ranks that load alike keep one fingerprint. It covers
+#: ``keep_formats`` too, when set.
 DECISION_SETTINGS = ("mode", "hold_budget", "skip_replaced")
 
 #: What the target's InstantTensor pass may keep in memory for the draft (docs/design.md).
@@ -141,6 +142,8 @@ class Settings:
         """A short hash of the values in :data:`DECISION_SETTINGS`: equal on every rank and
         host whose settings load alike, whichever source each value came from."""
         values = {name: getattr(self, name).value for name in DECISION_SETTINGS}
+        if self.keep_formats.value:  # only when set: the default keeps earlier fingerprints
+            values["keep_formats"] = list(self.keep_formats.value)
         data = json.dumps(values, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(data.encode()).hexdigest()[:12]
 
@@ -237,9 +240,9 @@ KEYS = (
     Key("mode", "draft", "mode", ENV_MODE, "auto", "choice", MODES),
     Key("hold_budget", "draft", "hold_budget", ENV_HOLD_BUDGET, DEFAULT_HOLD_BUDGET, "size"),
     Key("skip_replaced", "draft", "skip_replaced", ENV_SKIP_REPLACED, True, "bool"),
-    Key("keep_formats", "draft", "keep_formats", ENV_KEEP_FORMATS, (), "formats", TARGET_FORMATS),
     Key("level", "log", "level", ENV_LEVEL, "info", "choice", LEVELS),
     Key("events_file", "log", "events_file", ENV_EVENTS_FILE, None, "path"),
+    Key("keep_formats", "draft", "keep_formats", ENV_KEEP_FORMATS, (), "formats", TARGET_FORMATS),
 )
 _KEYS = {(k.table, k.key): k for k in KEYS}
 _ACCEPTED_KEYS = ", ".join(k.dotted for k in KEYS)
