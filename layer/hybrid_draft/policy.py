@@ -5,12 +5,19 @@ Inputs are plain values the adapter reads off vLLM's configs; the output is a
 the order they apply:
 
 1. the target model is never touched (``target_model``);
-2. a load whose format is not InstantTensor is left alone: ``explicit_draft_loader`` when it
-   is the user's own ``draft_load_config``, ``not_instanttensor`` otherwise;
+2. a load whose format is not one the layer handles (:data:`TARGET_FORMATS`: InstantTensor,
+   fastsafetensors, Run:ai Model Streamer, less those the ``formats`` setting keeps untouched)
+   is left alone: ``explicit_draft_loader`` when it is the user's own ``draft_load_config``,
+   ``not_instanttensor`` otherwise;
 3. mode ``instanttensor`` keeps InstantTensor (``mode_instanttensor``);
 4. mode ``safetensors`` switches every such draft, standalone ones too (``forced_safetensors``);
 5. modes ``auto`` and ``selective`` switch only a draft that reads the target's own
    checkpoint (``same_checkpoint`` / ``selective``), else keep it (``different_checkpoint``).
+
+A draft of a fastsafetensors or Run:ai target is switched to its target's own loader family
+(``chosen_format`` is the family: the adapter reads it filtered by the plan); mode
+``selective`` asks for InstantTensor's tensor filter, which for these families is the
+family's own filter, so it decides as ``auto``.
 
 A selective decision the adapter cannot carry out becomes ``selective_fallback`` (lazy
 safetensors) through :func:`fall_back`.
@@ -26,6 +33,12 @@ INSTANTTENSOR = "instanttensor"
 SAFETENSORS = "safetensors"
 #: The load format of the registered selective loader (InstantTensor with a tensor filter).
 SELECTIVE_FORMAT = "instanttensor_selective"
+FASTSAFETENSORS = "fastsafetensors"
+RUNAI_STREAMER = "runai_streamer"
+
+#: The target load formats whose drafts the layer reads filtered, in the target's own loader
+#: family. The ``formats`` setting may keep any of them untouched.
+TARGET_FORMATS = (INSTANTTENSOR, FASTSAFETENSORS, RUNAI_STREAMER)
 
 #: The draft's load format each mode aims for (what the compose smoke test expects).
 DRAFT_FORMAT_BY_MODE = {
@@ -51,6 +64,7 @@ REASONS = (
     "selective",
     "selective_fallback",
     "layer_error",
+    "no_plan",
 )
 
 
@@ -132,8 +146,9 @@ def same_checkpoint(draft: Checkpoint, target: Checkpoint) -> bool:
     return any(mine == _identity(name, target.revision) for name in (target.model, *target.aliases))
 
 
-def decide(request: Request, mode: str) -> Decision:
-    """The decision for one call under ``mode`` (one of settings.MODES)."""
+def decide(request: Request, mode: str, formats: tuple[str, ...] = TARGET_FORMATS) -> Decision:
+    """The decision for one call under ``mode`` (one of settings.MODES), for a layer that
+    handles the target formats ``formats``."""
     requested = request.requested_format
 
     def kept(reason: str) -> Decision:
@@ -144,13 +159,14 @@ def decide(request: Request, mode: str) -> Decision:
 
     if request.role == "target":
         return kept("target_model")
-    if requested != INSTANTTENSOR:
+    if requested not in formats or requested not in TARGET_FORMATS:
         explicit = request.explicit_draft_format
         return kept("explicit_draft_loader" if explicit == requested else "not_instanttensor")
     if mode == "instanttensor":
         return kept("mode_instanttensor")
+    family = SAFETENSORS if requested == INSTANTTENSOR else requested
     if mode == "safetensors":
-        return switched("forced_safetensors")
+        return switched("forced_safetensors", family)
     if mode not in ("auto", "selective"):
         raise ValueError(
             f"mode={mode!r}: accepted values are auto, safetensors, instanttensor, selective"
@@ -161,9 +177,21 @@ def decide(request: Request, mode: str) -> Decision:
         or not same_checkpoint(request.model, request.target)
     ):
         return kept("different_checkpoint")
-    if mode == "selective":
+    if mode == "selective" and requested == INSTANTTENSOR:
         return switched("selective", SELECTIVE_FORMAT)
-    return switched("same_checkpoint")
+    return switched("same_checkpoint", family)
+
+
+def handled_formats(keep: tuple[str, ...], available: tuple[str, ...]) -> tuple[str, ...]:
+    """The target formats the layer handles: those whose library imports (``available``),
+    less those the ``keep_formats`` setting keeps untouched."""
+    return tuple(f for f in TARGET_FORMATS if f in available and f not in keep)
+
+
+def unplanned(decision: Decision, detail: str) -> Decision:
+    """A draft of a fastsafetensors or Run:ai target that cannot be read by its plan: left
+    to its target's loader, as vLLM loads it (``no_plan``)."""
+    return Decision("kept", "no_plan", decision.requested_format, decision.requested_format, detail)
 
 
 def fall_back(decision: Decision, code: str, detail: str) -> Decision:

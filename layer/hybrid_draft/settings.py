@@ -24,7 +24,7 @@ import re
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hybrid_draft import files
@@ -47,11 +47,16 @@ ENV_EVENTS_FILE = "HYBRID_DRAFT_EVENTS_FILE"
 ENV_HOLD_BUDGET = "HYBRID_DRAFT_HOLD_BUDGET"
 ENV_SKIP_REPLACED = "HYBRID_DRAFT_SKIP_REPLACED"
 ENV_DRIVER = "HYBRID_DRAFT_DRIVER_SETTINGS"
+ENV_KEEP_FORMATS = "HYBRID_DRAFT_KEEP_FORMATS"
+#: The target load formats whose drafts the layer can read filtered (``policy.TARGET_FORMATS``,
+#: repeated here: settings sits below the policy); ``keep_formats`` keeps any untouched.
+TARGET_FORMATS = ("instanttensor", "fastsafetensors", "runai_streamer")
 SOURCES = ("env", "file", "default")
 
 #: The settings that change what a load decides or reads: the fingerprint covers exactly
 #: these. The log level and the events file change only what is reported (and an events
-#: file is often a per-host path), so ranks that load alike keep one fingerprint.
+#: file is often a per-host path), so ranks that load alike keep one fingerprint. It covers
+#: ``keep_formats`` too, when set.
 DECISION_SETTINGS = ("mode", "hold_budget", "skip_replaced")
 
 #: What the target's InstantTensor pass may keep in memory for the draft (docs/design.md).
@@ -105,6 +110,8 @@ class Settings:
     skip_replaced: Value
     config_path: str
     config_exists: bool
+    #: Target formats whose drafts the layer leaves as vLLM loads them (``keep_formats``).
+    keep_formats: Value = field(default_factory=lambda: Value((), "default", "default"))
     #: The host whose settings were carried here (``HYBRID_DRAFT_DRIVER_SETTINGS``), if any.
     carried_from: str | None = None
 
@@ -135,6 +142,8 @@ class Settings:
         """A short hash of the values in :data:`DECISION_SETTINGS`: equal on every rank and
         host whose settings load alike, whichever source each value came from."""
         values = {name: getattr(self, name).value for name in DECISION_SETTINGS}
+        if self.keep_formats.value:  # only when set: the default keeps earlier fingerprints
+            values["keep_formats"] = list(self.keep_formats.value)
         data = json.dumps(values, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(data.encode()).hexdigest()[:12]
 
@@ -162,7 +171,7 @@ class Key:
     key: str
     env: str
     default: Any
-    kind: Literal["choice", "path", "size", "bool"]
+    kind: Literal["choice", "path", "size", "bool", "formats"]
     choices: tuple[str, ...] = ()
 
     @property
@@ -176,6 +185,8 @@ class Key:
             "size": "accepted: a byte count (an integer, or a number with a unit such as "
             "512MiB, 8GiB, 2GB; 0 turns it off)",
             "bool": f"accepted values: {', '.join(_TRUE + _FALSE)}",
+            "formats": "accepted: a comma-separated list (a TOML array) of "
+            f"{', '.join(self.choices)}; empty for none",
         }[self.kind]
 
     def parse(self, raw: Any, source: str) -> Any:
@@ -192,6 +203,14 @@ class Key:
             if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
                 return raw.strip().lower() in _TRUE
             raise bad()
+        if self.kind == "formats":
+            items = raw.split(",") if isinstance(raw, str) else raw
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise bad()
+            names = [i.strip().lower() for i in items if i.strip()]
+            if any(n not in self.choices for n in names):
+                raise bad()
+            return tuple(sorted(set(names)))
         if self.kind == "size":
             if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
                 return raw
@@ -223,6 +242,7 @@ KEYS = (
     Key("skip_replaced", "draft", "skip_replaced", ENV_SKIP_REPLACED, True, "bool"),
     Key("level", "log", "level", ENV_LEVEL, "info", "choice", LEVELS),
     Key("events_file", "log", "events_file", ENV_EVENTS_FILE, None, "path"),
+    Key("keep_formats", "draft", "keep_formats", ENV_KEEP_FORMATS, (), "formats", TARGET_FORMATS),
 )
 _KEYS = {(k.table, k.key): k for k in KEYS}
 _ACCEPTED_KEYS = ", ".join(k.dotted for k in KEYS)

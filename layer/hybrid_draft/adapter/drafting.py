@@ -154,7 +154,13 @@ def draft(
     load_config: LoadConfig | None = None
     reads = False
     if decision.switched:
-        if not ours:  # vLLM's own lazy path (a selective draft too: its loader is ours)
+        family = decision.chosen_format not in (policy.SAFETENSORS, policy.SELECTIVE_FORMAT)
+        if not ours and family:  # a fastsafetensors or Run:ai draft: its target's loader
+            failed = plan_error if isinstance(plan_error, str) else None
+            decision = policy.unplanned(
+                decision, loaders_off or failed or "the draft has no plan to load by"
+            )
+        elif not ours:  # vLLM's own lazy path (a selective draft too: its loader is ours)
             load_config = calls.lazy_load_config(call.load_config)
             if decision.chosen_format != policy.SAFETENSORS:
                 decision = policy.fall_back(
@@ -163,14 +169,10 @@ def draft(
                     loaders_off or "the draft has no plan to load by",
                 )
         else:
-            fmt = (
-                loaders.FILTERED
-                if decision.chosen_format == policy.SAFETENSORS
-                else decision.chosen_format
-            )
+            fmt = loaders.FILTERED_BY_FAMILY.get(decision.chosen_format, decision.chosen_format)
             load_config = calls.loader_load_config(call.load_config, fmt)
             reads = True
-    elif request.requested_format in (loaders.FILTERED, loaders.SELECTIVE):
+    elif request.requested_format in (*loaders.FILTERED_BY_FAMILY.values(), loaders.SELECTIVE):
         # The user's own draft_load_config names one of ours; a plan-less draft is read
         # by vLLM's own lazy path.
         reads = ours

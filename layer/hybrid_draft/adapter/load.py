@@ -30,6 +30,10 @@ SWITCH_MESSAGE = {
     policy.SELECTIVE_FORMAT: "Hybrid draft loading: streaming only the speculative draft's "
     "tensors with InstantTensor while preserving InstantTensor for "
     "the target model",
+    policy.FASTSAFETENSORS: "Hybrid draft loading: reading only the speculative draft's "
+    "tensors with fastsafetensors, as the target model loads",
+    policy.RUNAI_STREAMER: "Hybrid draft loading: streaming only the speculative draft's "
+    "tensors with the Run:ai Model Streamer, as the target model loads",
 }
 
 
@@ -185,7 +189,7 @@ def read_settings() -> settings.Settings:
 
 def decide(call: calls.Call, request: policy.Request, current: settings.Settings) -> Load:
     """Decide one load with its settings snapshot."""
-    decision = policy.decide(request, str(current.mode.value))
+    decision = policy.decide(request, str(current.mode.value), loaders.handled_formats(current))
     scope = hold.current()
     target = draft = None
     if request.role == "target":

@@ -15,11 +15,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybrid_draft import policy, records, settings
-from hybrid_draft.adapter import calls, draftplan, hold, internals, parts
+from hybrid_draft.adapter import calls, draftplan, hold, internals, loaders, parts
 from hybrid_draft.planning import DraftPlan
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
+
+
+#: Target formats whose weights vLLM's ``DefaultModelLoader`` streams, which the tap sees.
+_STREAMED = (policy.INSTANTTENSOR, policy.FASTSAFETENSORS)
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,8 @@ def tap(call: calls.Call, current: settings.Settings, scope: hold.Scope | None) 
         why = parts.part_off(part)
         if why is not None:
             return _off("part_skipped", why)
-    if call.request().requested_format != policy.INSTANTTENSOR:
+    requested = call.request().requested_format
+    if requested not in _STREAMED or requested not in loaders.handled_formats(current):
         return _off("not_instanttensor")
     if scope is None:
         return _off("no_load_scope", "the target was not loaded by a model runner's load_model")
@@ -58,7 +63,9 @@ def tap(call: calls.Call, current: settings.Settings, scope: hold.Scope | None) 
         call.vllm_config, draft_config, internals.draft_load_config(call.vllm_config)
     )
     draft_request = draft_call.request()
-    draft_decision = policy.decide(draft_request, str(current.mode.value))
+    draft_decision = policy.decide(
+        draft_request, str(current.mode.value), loaders.handled_formats(current)
+    )
     if not draft_decision.switched or not draft_request.reads_target_checkpoint:
         return _off("draft_not_switched", f"the draft's decision: {draft_decision.reason}")
     plan = draftplan.for_call(draft_call, bool(current.skip_replaced.value))

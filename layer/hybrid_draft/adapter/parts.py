@@ -144,7 +144,7 @@ def _register_loaders(caps: internals.Capabilities) -> list[tuple[str, str]]:
 
     failed = []
     for part, formats in (
-        ("draft_loaders", (loaders.FILTERED, loaders.SELECTIVE)),
+        ("draft_loaders", (*loaders.FILTERED_BY_FAMILY.values(), loaders.SELECTIVE)),
         ("ungrouped_draft", (loaders.UNGROUPED,)),
     ):
         if caps.reason(part) is not None:

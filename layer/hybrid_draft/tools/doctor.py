@@ -150,6 +150,27 @@ def check_selective() -> Check:
     return no_filter is None, f"selective: falls back to lazy safetensors here: {why}"
 
 
+def check_formats() -> Check:
+    """Which target formats' drafts the layer reads filtered here, and which it leaves to
+    vLLM (a library missing, too old, or kept by ``keep_formats``): informational, it passes
+    (a format left to vLLM loads as it would without the layer)."""
+    from hybrid_draft import policy
+    from hybrid_draft.adapter import loaders
+
+    try:
+        keep = tuple(settings.load().keep_formats.value)
+    except settings.ConfigError:
+        keep = ()  # the config check reports it
+    handled = policy.handled_formats(keep, loaders.available_formats())
+    left = [
+        f"{fmt} ({'keep_formats' if fmt in keep else 'not handled here'})"
+        for fmt in policy.TARGET_FORMATS
+        if fmt not in handled
+    ]
+    line = f"formats: drafts read filtered for {', '.join(handled) or 'no target format'}"
+    return True, line + (f"; left to vLLM: {', '.join(left)}" if left else "")
+
+
 def check_config() -> Check:
     try:
         current = settings.load()
@@ -178,6 +199,7 @@ CHECKS: list[Callable[[], Check]] = [
     check_vllm,
     check_instanttensor,
     check_selective,
+    check_formats,
     check_rules,
     *(PartCheck(part) for part in internals.PARTS),
 ]

@@ -1,0 +1,72 @@
+"""What one draft load reads, handed from the layer's decision to its registered loader.
+
+No vLLM import: the decision (``drafting``) makes a :class:`DraftRead`, the load opens
+:func:`reading` around vLLM's ``get_model``, and the loader (``model_loader/``) takes it
+with :func:`current` when vLLM calls its ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from hybrid_draft import planning, policy
+from hybrid_draft.adapter import hold
+from hybrid_draft.events import Sink
+
+#: The load formats the layer's loaders are registered under.
+FILTERED = "safetensors_filtered"
+SELECTIVE = policy.SELECTIVE_FORMAT
+UNGROUPED = "instanttensor_ungrouped"
+FASTSAFETENSORS_FILTERED = "fastsafetensors_filtered"
+RUNAI_FILTERED = "runai_streamer_filtered"
+
+#: The layer's loader of a switched draft, by the loader family its decision chose
+#: (``policy.Decision.chosen_format``): the target's own family, filtered by the plan.
+FILTERED_BY_FAMILY = {
+    policy.SAFETENSORS: FILTERED,
+    policy.FASTSAFETENSORS: FASTSAFETENSORS_FILTERED,
+    policy.RUNAI_STREAMER: RUNAI_FILTERED,
+}
+
+
+@dataclass(kw_only=True)
+class DraftRead:
+    """What one draft load takes from where: its plan, the hold it draws on, what it skips.
+
+    Made by the layer when it decides the load (``patch``), handed to the loader through
+    :func:`reading`; the loader fills ``sources``.
+    """
+
+    plan: planning.DraftPlan
+    #: Where its events go (the load's settings').
+    sink: Sink
+    hold: hold.Hold | None = None
+    #: The draft's pipeline-parallel size and speculative method (what vLLM's
+    #: replacement depends on), from the configs the load was decided with.
+    pipeline_parallel_size: int = 1
+    method: str | None = "mtp"
+    #: Filled by the load: ``planning.DraftPlan.sources`` keys, as read.
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: The replaced tensors skipped, by name -> kind (after the built model was checked).
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+_READ: ContextVar[DraftRead | None] = ContextVar("hybrid_draft_draft_read", default=None)
+
+
+@contextlib.contextmanager
+def reading(read: DraftRead | None) -> Iterator[None]:
+    """While open, this layer's loaders read the draft by ``read``."""
+    token = _READ.set(read)
+    try:
+        yield
+    finally:
+        _READ.reset(token)
+
+
+def current() -> DraftRead | None:
+    """The read :func:`reading` opened in this context, if any."""
+    return _READ.get()

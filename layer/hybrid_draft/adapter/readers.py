@@ -1,0 +1,214 @@
+"""The draft loaders' weight readers: iterators of ``(name, tensor)``, one per read path.
+
+No vLLM import at module level: the loader classes (``model_loader/``) call these, and
+``bench`` and the tests call them directly. Each reads only what it is handed: a plan's
+selection (its shards, its tensors and their byte ranges) or, for the ungrouped
+InstantTensor load, vLLM's own list of files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import torch
+
+from hybrid_draft import checkpoint
+from hybrid_draft.adapter import internals, shardread
+
+Weights = Generator[tuple[str, torch.Tensor], None, None]
+
+
+def _tqdm(total: int, desc: str, use_tqdm: bool, **kwargs: Any) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        mininterval=1.0,
+        disable=not internals.enable_tqdm(use_tqdm),
+        **kwargs,
+    )
+
+
+def lazy_filtered_iterator(
+    selection: checkpoint.Selection, use_tqdm_on_load: bool = True
+) -> Weights:
+    """Read each selected shard's kept tensors, in file order, with explicit reads of their
+    planned byte ranges (``shardread``): a shard that shrinks meanwhile raises, naming it.
+    One pool of read memory serves the whole selection."""
+    with _tqdm(
+        len(selection.tensors),
+        "Loading the draft's tensors (safetensors, filtered)",
+        use_tqdm_on_load,
+        unit="shard",
+    ) as bar:
+        buffers = shardread.Buffers()
+        for path, tensors in selection.tensors.items():
+            yield from shardread.read_shard(path, selection.shards[path], tensors, buffers)
+            bar.update(1)
+
+
+def instanttensor_selective_iterator(
+    selection: checkpoint.Selection, device: torch.device, use_tqdm_on_load: bool = True
+) -> Weights:
+    """Stream exactly the selected tensors to ``device`` with InstantTensor.
+
+    ``process_group=None``: every rank reads its own copy of the (small) draft, which the
+    tensor filter requires; ``copy=True`` keeps tensors valid after the buffer is reused.
+    """
+    import instanttensor
+
+    with (
+        instanttensor.safe_open(
+            list(selection.files),
+            framework="pt",
+            device=device,
+            process_group=None,
+            copy=True,
+            tensor_filter=selection.names,
+            tensor_name_match_mode="exact",
+        ) as f,
+        _tqdm(
+            getattr(f, "total_tensor_size", None) or selection.nbytes,
+            "Loading the draft's tensors using InstantTensor (selective)",
+            use_tqdm_on_load,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+        ) as bar,
+    ):
+        for name, tensor in f.tensors():
+            bar.update(tensor.numel() * tensor.element_size())
+            yield name, tensor
+
+
+def instanttensor_ungrouped_iterator(
+    files: list[str],
+    device: torch.device,
+    use_tqdm_on_load: bool = True,
+    local_expert_ids: set[int] | None = None,
+    load_engram_on_cpu: bool = False,
+) -> Weights:
+    """vLLM 0.33's ``instanttensor_weights_iterator`` with ``process_group=None``.
+
+    vLLM's reads with the world group whenever the world has more than one rank, and
+    InstantTensor then all-reduces and all-gathers over it: ranks that never load this
+    model (the other pipeline stages, for a draft) would never join. Here every rank reads
+    the files itself. The rest is vLLM's: other ranks' experts filtered out before reading
+    (``should_skip_weight``), Engram tables mapped on the CPU, ``copy=True``.
+    """
+    import instanttensor
+    from safetensors import safe_open
+
+    should_skip_weight = internals.should_skip_weight
+    engram = internals.engram_pattern()
+    gpu_names: list[str] = []
+    cpu_weights: dict[str, list[str]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                if load_engram_on_cpu and engram is not None and engram.search(name):
+                    cpu_weights.setdefault(path, []).append(name)
+                else:
+                    gpu_names.append(name)
+    experts = local_expert_ids is not None and any(
+        should_skip_weight(name, set()) for name in gpu_names
+    )
+    tensor_filter = (
+        [name for name in gpu_names if not should_skip_weight(name, local_expert_ids)]
+        if cpu_weights or experts
+        else None
+    )
+    if gpu_names:
+        with (
+            instanttensor.safe_open(
+                files,
+                framework="pt",
+                device=device,
+                process_group=None,
+                copy=True,
+                tensor_filter=tensor_filter,
+                tensor_name_match_mode="exact",
+            ) as f,
+            _tqdm(
+                getattr(f, "total_tensor_size", None) or 0,
+                "Loading the draft using InstantTensor (this pipeline stage only)",
+                use_tqdm_on_load,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+            ) as bar,
+        ):
+            for name, tensor in f.tensors():
+                bar.update(tensor.numel() * tensor.element_size())
+                yield name, tensor
+    for path, names in cpu_weights.items():
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+
+
+def fastsafetensors_filtered_iterator(
+    selection: checkpoint.Selection, device: torch.device, use_tqdm_on_load: bool = True
+) -> Weights:
+    """Read exactly the selected tensors with fastsafetensors, shard by shard.
+
+    ``set_tensor_filter`` makes its copier read only the kept tensors' byte ranges (the
+    ``nogds`` copier: a plain read into host memory, then to ``device``); a one-process group,
+    as every rank reads its own copy of the (small) draft. The tensors share their buffer's
+    ownership, so they stay valid after it is closed.
+    """
+    from fastsafetensors import SafeTensorsFileLoader
+    from fastsafetensors.common import SingleGroup
+
+    with _tqdm(
+        len(selection.tensors),
+        "Loading the draft's tensors (fastsafetensors, filtered)",
+        use_tqdm_on_load,
+        unit="shard",
+    ) as bar:
+        for path, tensors in selection.tensors.items():
+            wanted = {t.name for t in tensors}
+            loader = SafeTensorsFileLoader(
+                SingleGroup(), device=str(device), nogds=True, set_numa=False
+            )
+            try:
+                loader.add_filenames({0: [path]})
+                loader.set_tensor_filter(wanted.__contains__)
+                buffer = loader.copy_files_to_device()
+                try:
+                    for t in tensors:
+                        yield t.name, buffer.get_tensor(t.name)
+                finally:
+                    buffer.close()
+            finally:
+                loader.close()
+            bar.update(1)
+
+
+def runai_filtered_iterator(
+    selection: checkpoint.Selection, use_tqdm_on_load: bool = True
+) -> Weights:
+    """Stream exactly the selected tensors with Run:ai's Model Streamer (0.17's
+    ``tensor_names``): it reads each shard's header, then only the kept tensors' byte ranges.
+
+    Onto the CPU, as vLLM's own Run:ai iterator does outside distributed streaming; the
+    tensors are the caller's (``owned=True``), so none is copied again.
+    """
+    from runai_model_streamer import SafetensorsStreamer
+
+    paths = list(selection.tensors)
+    with (
+        SafetensorsStreamer() as streamer,
+        _tqdm(
+            len(selection.names),
+            "Loading the draft's tensors (Run:ai Model Streamer, filtered)",
+            use_tqdm_on_load,
+            unit="tensor",
+        ) as bar,
+    ):
+        streamer.stream_files(paths, device="cpu", tensor_names=selection.names)
+        for name, tensor in streamer.get_tensors():
+            bar.update(1)
+            yield name, tensor

@@ -1,0 +1,217 @@
+"""Drafts of fastsafetensors and local Run:ai targets inside real vLLM 0.33 on the CPU: the
+draft is read by its target's own loader family, filtered to its planned tensors, the replaced
+ones skipped, shards without draft tensors never opened. Only vLLM's
+``fastsafetensors_weights_iterator`` (CUDA only) stands in for the target's read, reading the
+same tensors with fastsafetensors' own loader on the CPU; Run:ai's streamer runs for real."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import (
+    Events,
+    Recorder,
+    checkpoint_tensors,
+    engine_config,
+    load_target_and_draft,
+    rule_keeps,
+)
+from hybrid_draft.checkpoint import read_checkpoint
+
+pytestmark = pytest.mark.vllm
+
+REPLACED = {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+def _fastsafetensors_read(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``files`` read whole by fastsafetensors' own loader on the CPU."""
+    from fastsafetensors import SafeTensorsFileLoader
+    from fastsafetensors.common import SingleGroup
+
+    for path in sorted(files):
+        loader = SafeTensorsFileLoader(SingleGroup(), device="cpu", nogds=True, set_numa=False)
+        try:
+            loader.add_filenames({0: [path]})
+            buffer = loader.copy_files_to_device()
+            try:
+                for name in loader.get_keys():
+                    yield name, buffer.get_tensor(name)
+            finally:
+                buffer.close()
+        finally:
+            loader.close()
+
+
+@pytest.fixture
+def fastsafetensors_standin(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """vLLM's fastsafetensors iterator (it asks for a CUDA device) replaced by fastsafetensors'
+    own loader on the CPU; nothing else in vLLM is replaced."""
+    import vllm.model_executor.model_loader.default_loader as default_loader
+
+    recorder = Recorder()
+
+    def standin(hf_weights_files: list[str], use_tqdm_on_load: bool) -> Any:
+        recorder.calls.append({"files": sorted(Path(f).name for f in hf_weights_files)})
+        return _fastsafetensors_read(hf_weights_files)
+
+    monkeypatch.setattr(default_loader, "fastsafetensors_weights_iterator", standin)
+    return recorder
+
+
+@pytest.fixture
+def byte_ranges(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """The byte ranges fastsafetensors' copier is told to read, per file (a spy on
+    ``SafeTensorsMetadata.select_byte_ranges``, which still computes them)."""
+    from fastsafetensors import common
+
+    real = common.SafeTensorsMetadata.select_byte_ranges
+    recorder = Recorder()
+
+    def spy(self: Any, keep: Any) -> Any:
+        ranges = real(self, keep)
+        recorder.calls.append({"file": Path(self.src).name, "ranges": list(ranges)})
+        return ranges
+
+    monkeypatch.setattr(common.SafeTensorsMetadata, "select_byte_ranges", spy)
+    return recorder
+
+
+def test_fastsafetensors_target_draft_reads_only_its_own_tensors(
+    qwen35: Path,
+    events: Events,
+    fastsafetensors_standin: Recorder,
+    byte_ranges: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HYBRID_DRAFT_HOLD_BUDGET", "0")  # the filtered read alone
+    config = engine_config(qwen35, load_format="fastsafetensors")
+
+    loaded = load_target_and_draft(config)
+
+    shards = sorted(p.name for p in qwen35.glob("*.safetensors"))
+    assert fastsafetensors_standin.files() == [shards]  # the target: every shard, once
+    sizes = {t.name: t.nbytes for s in read_checkpoint(qwen35) for t in s.tensors}
+    where = {t.name: s.path.name for s in read_checkpoint(qwen35) for t in s.tensors}
+    own = rule_keeps(qwen35, loaded.draft) - REPLACED
+    # fastsafetensors read the draft's own tensors' bytes and nothing more, from the shards
+    # that hold them only.
+    assert sorted(c["file"] for c in byte_ranges.calls) == sorted({where[n] for n in own})
+    read = sum(end - start for c in byte_ranges.calls for start, end in c["ranges"])
+    assert read == sum(sizes[n] for n in own)
+
+    (draft,) = events.decisions("draft")
+    assert (draft["action"], draft["reason"], draft["requested_format"]) == (
+        "switched",
+        "same_checkpoint",
+        "fastsafetensors",
+    )
+    assert draft["chosen_format"] == "fastsafetensors"
+    (draft_load,) = [e for e in events.named("hybrid_draft.loaded") if e["role"] == "draft"]
+    assert draft_load["load_format"] == "fastsafetensors"
+    assert draft_load["sources"]["storage"] == {
+        "tensors": len(own),
+        "bytes": sum(sizes[n] for n in own),
+    }
+    assert draft_load["sources"]["replaced_by_target"]["tensors"] == len(REPLACED)
+    assert loaded.draft.lm_head is loaded.target.lm_head
+
+    ckpt = checkpoint_tensors(qwen35)
+    for name, param in loaded.draft.named_parameters():
+        source = "mtp." + name.removeprefix("model.")
+        if source in ckpt:
+            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+
+
+def test_keep_formats_leaves_a_fastsafetensors_draft_untouched(
+    qwen35: Path,
+    events: Events,
+    fastsafetensors_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HYBRID_DRAFT_KEEP_FORMATS", "fastsafetensors")
+    config = engine_config(qwen35, load_format="fastsafetensors")
+
+    load_target_and_draft(config)
+
+    (draft,) = events.decisions("draft")
+    assert (draft["action"], draft["reason"], draft["chosen_format"]) == (
+        "kept",
+        "not_instanttensor",
+        "fastsafetensors",
+    )
+    # The draft went through vLLM's fastsafetensors iterator, as the target did.
+    assert len(fastsafetensors_standin.calls) == 2
+    (target,) = events.decisions("target")
+    assert target["one_pass"]["enabled"] is False
+
+
+@pytest.fixture
+def runai_requests(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Every read request Run:ai's streamer sends to its backend: file and bytes (a spy on
+    ``DistributedStreamer.stream_files``, which still serves them). Each shard's header is
+    two requests (its 8-byte length, then the header), then its tensors' ranges."""
+    from runai_model_streamer.distributed_streamer import DistributedStreamer
+
+    real = DistributedStreamer.stream_files
+    recorder = Recorder()
+
+    def spy(self: Any, requests: list[Any], *args: Any, **kwargs: Any) -> Any:
+        for r in requests:
+            recorder.calls.append({"file": Path(r.path).name, "bytes": sum(r.sizes)})
+        return real(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedStreamer, "stream_files", spy)
+    return recorder
+
+
+def _header_bytes(shard: Path) -> int:
+    """A shard's 8-byte length and its JSON header."""
+    with shard.open("rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def test_runai_target_draft_streams_only_its_own_tensors(
+    qwen35: Path, events: Events, runai_requests: Recorder
+) -> None:
+    config = engine_config(qwen35, load_format="runai_streamer")
+
+    loaded = load_target_and_draft(config)
+
+    shards = sorted(qwen35.glob("*.safetensors"))
+    sizes = {t.name: t.nbytes for s in read_checkpoint(qwen35) for t in s.tensors}
+    where = {t.name: s.path.name for s in read_checkpoint(qwen35) for t in s.tensors}
+    own = rule_keeps(qwen35, loaded.draft) - REPLACED
+    own_shards = {where[n] for n in own}
+    # The target: each shard's length, header, then all its tensors (every byte of it).
+    target = runai_requests.calls[: 3 * len(shards)]
+    assert sum(c["bytes"] for c in target) == sum(s.stat().st_size for s in shards)
+    # The draft: its shards' headers, then exactly its own tensors' bytes; no other shard.
+    draft_requests = runai_requests.calls[3 * len(shards) :]
+    assert {c["file"] for c in draft_requests} == own_shards
+    assert sum(c["bytes"] for c in draft_requests) == sum(sizes[n] for n in own) + sum(
+        _header_bytes(qwen35 / s) for s in own_shards
+    )
+
+    (draft,) = events.decisions("draft")
+    assert (draft["action"], draft["reason"], draft["chosen_format"]) == (
+        "switched",
+        "same_checkpoint",
+        "runai_streamer",
+    )
+    (draft_load,) = [e for e in events.named("hybrid_draft.loaded") if e["role"] == "draft"]
+    assert draft_load["load_format"] == "runai_streamer"
+    assert draft_load["sources"]["storage"] == {
+        "tensors": len(own),
+        "bytes": sum(sizes[n] for n in own),
+    }
+    assert loaded.draft.lm_head is loaded.target.lm_head
+    ckpt = checkpoint_tensors(qwen35)
+    for name, param in loaded.draft.named_parameters():
+        source = "mtp." + name.removeprefix("model.")
+        if source in ckpt:
+            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name

@@ -1,0 +1,91 @@
+"""The target formats the layer handles, without vLLM: the policy for drafts of
+fastsafetensors and Run:ai targets, and the ``keep_formats`` setting."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_draft import policy, settings
+from hybrid_draft.policy import Checkpoint, Request
+
+
+def draft(fmt: str, same: bool = True) -> Request:
+    return Request(
+        role="draft",
+        requested_format=fmt,
+        method="mtp",
+        model=Checkpoint("org/m"),
+        target=Checkpoint("org/m" if same else "org/other"),
+    )
+
+
+@pytest.mark.parametrize("fmt", ["fastsafetensors", "runai_streamer"])
+@pytest.mark.parametrize(
+    ("mode", "same", "expected"),
+    [
+        ("auto", True, ("switched", "same_checkpoint")),
+        ("selective", True, ("switched", "same_checkpoint")),
+        ("auto", False, ("kept", "different_checkpoint")),
+        ("safetensors", False, ("switched", "forced_safetensors")),
+        ("instanttensor", True, ("kept", "mode_instanttensor")),
+    ],
+)
+def test_a_fast_loader_target_draft_stays_in_its_family(
+    fmt: str, mode: str, same: bool, expected: tuple[str, str]
+) -> None:
+    d = policy.decide(draft(fmt, same), mode)
+    assert (d.action, d.reason) == expected
+    assert d.chosen_format == fmt  # switched or not, the target's own loader family
+
+
+@pytest.mark.parametrize("fmt", ["fastsafetensors", "runai_streamer", "instanttensor"])
+def test_a_format_not_handled_is_left_alone(fmt: str) -> None:
+    formats = tuple(f for f in policy.TARGET_FORMATS if f != fmt)
+    d = policy.decide(draft(fmt), "auto", formats)
+    assert (d.action, d.reason, d.chosen_format) == ("kept", "not_instanttensor", fmt)
+
+
+def test_handled_formats_are_the_available_ones_less_those_kept() -> None:
+    available = ("instanttensor", "fastsafetensors")
+    assert policy.handled_formats((), available) == available
+    assert policy.handled_formats(("fastsafetensors",), available) == ("instanttensor",)
+    assert policy.handled_formats(("runai_streamer",), policy.TARGET_FORMATS) == (
+        "instanttensor",
+        "fastsafetensors",
+    )
+
+
+def test_settings_and_policy_name_the_same_formats() -> None:
+    assert settings.TARGET_FORMATS == policy.TARGET_FORMATS
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("fastsafetensors", ("fastsafetensors",)),
+        (" RunAI_Streamer , fastsafetensors,", ("fastsafetensors", "runai_streamer")),
+        ("instanttensor,instanttensor", ("instanttensor",)),
+    ],
+)
+def test_keep_formats_from_the_environment(raw: str, expected: tuple[str, ...]) -> None:
+    s = settings.load({"HYBRID_DRAFT_KEEP_FORMATS": raw, "HYBRID_DRAFT_CONFIG": "/nonexistent"})
+    assert (s.keep_formats.value, s.keep_formats.source) == (expected, "env")
+
+
+def test_keep_formats_from_the_file(tmp_path: object) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "c.toml"
+    path.write_text('[draft]\nkeep_formats = ["runai_streamer"]\n')
+    s = settings.load({"HYBRID_DRAFT_CONFIG": str(path)})
+    assert (s.keep_formats.value, s.keep_formats.source) == (("runai_streamer",), "file")
+    assert settings.load({"HYBRID_DRAFT_CONFIG": "/nonexistent"}).keep_formats.value == ()
+
+
+@pytest.mark.parametrize("raw", ["safetensors", "fastsafetensors,bin"])
+def test_an_unknown_format_names_the_variable_and_the_accepted_ones(raw: str) -> None:
+    with pytest.raises(settings.ConfigError) as info:
+        settings.load({"HYBRID_DRAFT_KEEP_FORMATS": raw, "HYBRID_DRAFT_CONFIG": "/nonexistent"})
+    assert info.value.source == "HYBRID_DRAFT_KEEP_FORMATS"
+    assert "instanttensor, fastsafetensors, runai_streamer" in info.value.detail
+    assert "\n" not in str(info.value)
