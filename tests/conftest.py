@@ -213,13 +213,16 @@ def engine_config(
     *,
     load_format: str = "instanttensor",
     speculative_config: dict[str, Any] | None = None,
+    config_dir: Path | None = None,
     **kwargs: Any,
 ) -> Any:
-    """The real ``EngineArgs(...).create_engine_config()`` for a tiny CPU model."""
+    """The real ``EngineArgs(...).create_engine_config()`` for a tiny CPU model (``model``
+    a local directory, or an object-storage address with the same checkpoint's local copy
+    as ``config_dir``)."""
     from vllm.engine.arg_utils import EngineArgs
 
     spec = dict(speculative_config or {"method": "mtp", "num_speculative_tokens": 1})
-    config = json.loads((Path(model) / "config.json").read_text())
+    config = json.loads((Path(config_dir or model) / "config.json").read_text())
     if config.get("kv_lora_rank") or config.get("text_config", {}).get("kv_lora_rank"):
         for key, value in hostcpu.inprocess_mla_backend().items():  # tests/hostcpu.py
             kwargs.setdefault(key, value)

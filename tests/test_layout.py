@@ -97,16 +97,19 @@ def test_the_design_map_names_every_runtime_module() -> None:
     added to the map."""
     text = (PACKAGE.parents[1] / "docs" / "design.md").read_text()
     block = text.split("## Architecture", 1)[1].split("```text", 1)[1].split("```", 1)[0]
-    named, folder = set(), ""
+    named: set[str] = set()
+    folders: list[tuple[int, str]] = []  # the folders enclosing the current line, by indent
     for line in block.splitlines():
         entry = line.strip().split(" ", 1)[0]
-        if not entry or line.startswith("layer/"):
+        if line.startswith("layer/") or not entry.endswith(("/", ".py")):
             continue
+        indent = len(line) - len(line.lstrip(" "))
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
         if entry.endswith("/"):
-            folder = entry if line.startswith("  ") and not line.startswith("   ") else folder
-            continue
-        if entry.endswith(".py"):
-            named.add(f"{folder}{entry}" if line.startswith("    ") else entry)
+            folders.append((indent, entry))
+        else:
+            named.add("".join(f for _, f in folders) + entry)
     relative = [path.relative_to(PACKAGE) for _, path in modules()]
     runtime = {
         str(rel)

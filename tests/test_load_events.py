@@ -272,6 +272,7 @@ def test_report_pairs_each_process_of_a_server(tmp_path: Path) -> None:
     assert by_pid[10]["loads"][1]["vs_full_pass"] == {
         "full_pass_bytes": 1000,
         "bytes_read": 100,
+        "network_bytes": None,
         "bytes_saved": 900,
         "share_read": 0.1,
         "full_pass_seconds": 5.0,

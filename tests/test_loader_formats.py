@@ -215,3 +215,115 @@ def test_runai_target_draft_streams_only_its_own_tensors(
         source = "mtp." + name.removeprefix("model.")
         if source in ckpt:
             assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+
+
+def test_runai_target_one_pass_the_draft_reads_nothing(
+    qwen35: Path, events: Events, runai_requests: Recorder
+) -> None:
+    """Inside a model runner's load scope, the Run:ai target's stream keeps the draft's
+    tensors: the draft sends the streamer no request at all."""
+    from hybrid_draft.adapter import hold
+
+    with hold.scope():
+        loaded = load_target_and_draft(engine_config(qwen35, load_format="runai_streamer"))
+
+    shards = sorted(qwen35.glob("*.safetensors"))
+    sizes = {t.name: t.nbytes for s in read_checkpoint(qwen35) for t in s.tensors}
+    own = rule_keeps(qwen35, loaded.draft) - REPLACED
+    # Only the target's requests: each shard's length, header and tensors, once.
+    assert len(runai_requests.calls) == 3 * len(shards)
+    assert sum(c["bytes"] for c in runai_requests.calls) == sum(s.stat().st_size for s in shards)
+
+    (target,) = events.decisions("target")
+    assert target["one_pass"]["enabled"] is True
+    assert target["one_pass"]["planned_bytes"] == sum(sizes[n] for n in own)
+    target_load, draft_load = events.named("hybrid_draft.loaded")
+    assert target_load["role"] == "target"
+    assert (target_load["shards"], target_load["checkpoint_shards"]) == (len(shards), len(shards))
+    assert target_load["tensors"] == len(sizes)
+    assert target_load["checkpoint_bytes"] == sum(s.stat().st_size for s in shards)
+    assert target_load["network_bytes"] is None  # local files
+    assert draft_load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
+    assert draft_load["sources"]["stream"] == {
+        "tensors": len(own),
+        "bytes": sum(sizes[n] for n in own),
+    }
+    assert draft_load["shards"] == 0
+    ckpt = checkpoint_tensors(qwen35)
+    for name, param in loaded.draft.named_parameters():
+        source = "mtp." + name.removeprefix("model.")
+        if source in ckpt:
+            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+
+
+def test_fastsafetensors_target_one_pass_the_draft_reads_nothing(
+    qwen35: Path,
+    events: Events,
+    fastsafetensors_standin: Recorder,
+    byte_ranges: Recorder,
+) -> None:
+    """The fastsafetensors target's stream keeps the draft's tensors (copies: each of its
+    tensors shares its shard's buffer); the draft's fastsafetensors loader reads nothing."""
+    from hybrid_draft.adapter import hold
+
+    with hold.scope():
+        loaded = load_target_and_draft(engine_config(qwen35, load_format="fastsafetensors"))
+
+    sizes = {t.name: t.nbytes for s in read_checkpoint(qwen35) for t in s.tensors}
+    own = rule_keeps(qwen35, loaded.draft) - REPLACED
+    assert len(fastsafetensors_standin.calls) == 1  # the target's pass only
+    assert byte_ranges.calls == []  # the draft's filtered reader never ran
+    (target,) = events.decisions("target")
+    assert target["one_pass"]["enabled"] is True
+    (draft_load,) = [e for e in events.named("hybrid_draft.loaded") if e["role"] == "draft"]
+    assert draft_load["sources"]["stream"] == {
+        "tensors": len(own),
+        "bytes": sum(sizes[n] for n in own),
+    }
+    assert draft_load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
+    assert draft_load["one_pass"]["peak_bytes"] == sum(sizes[n] for n in own)
+    ckpt = checkpoint_tensors(qwen35)
+    for name, param in loaded.draft.named_parameters():
+        source = "mtp." + name.removeprefix("model.")
+        if source in ckpt:
+            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+
+
+@pytest.mark.parametrize("fmt", ["fastsafetensors", "runai_streamer"])
+def test_plan_for_a_fast_loader_target(
+    fmt: str, qwen35: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``plan --load-format``: the stock rows are that loader's (the same shards read whole
+    as InstantTensor's), ``auto`` is its filtered read of the same tensors."""
+    import json
+
+    from hybrid_draft.tools import cli
+
+    def plan(*argv: str) -> dict[str, Any]:
+        capsys.readouterr()
+        assert cli.main(["plan", str(qwen35), "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    stock, fast = plan(), plan("--load-format", fmt)
+    assert fast["load_format"] == fmt and stock["load_format"] == "instanttensor"
+    assert fast["auto"] == {
+        "action": "switched",
+        "reason": "same_checkpoint",
+        "chosen_format": fmt,
+        "tensor_filter": True,
+    }
+    assert list(fast["modes"]) == [fmt, f"{fmt}_pruned", "auto", "one_pass"]
+    assert fast["modes"][fmt] == stock["modes"]["instanttensor"]
+    assert fast["modes"][f"{fmt}_pruned"] == stock["modes"]["instanttensor_pruned"]
+    for row in ("auto", "one_pass"):
+        assert fast["modes"][row] == stock["modes"][row]
+    own = {t.name for s in read_checkpoint(qwen35) for t in s.tensors if t.name.startswith("mtp.")}
+    assert fast["modes"]["auto"]["tensors"] == len(own)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_status:
+        cli.main(["plan", str(qwen35), "--load-format", "bin"])
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err == (
+        "hybrid-draft plan: argument --load-format: invalid choice: 'bin' (choose from "
+        "'instanttensor', 'fastsafetensors', 'runai_streamer') (see hybrid-draft plan --help)\n"
+    )

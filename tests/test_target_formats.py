@@ -89,3 +89,19 @@ def test_an_unknown_format_names_the_variable_and_the_accepted_ones(raw: str) ->
     assert info.value.source == "HYBRID_DRAFT_KEEP_FORMATS"
     assert "instanttensor, fastsafetensors, runai_streamer" in info.value.detail
     assert "\n" not in str(info.value)
+
+
+def test_a_held_view_of_a_larger_buffer_is_copied_and_an_own_tensor_is_not() -> None:
+    """fastsafetensors' and Run:ai 0.17's tensors are views of a shard's or a ring slot's
+    buffer: held as they are, they would keep all of it alive."""
+    import torch
+
+    from hybrid_draft.adapter import hold
+
+    buffer = torch.arange(1024, dtype=torch.float32)
+    view = buffer[256:512].view(16, 16)
+    held = hold.own(view)
+    assert held.untyped_storage().nbytes() == 256 * 4
+    assert held.data_ptr() != view.data_ptr() and torch.equal(held, view)
+    alone = torch.ones(4, 4)
+    assert hold.own(alone) is alone

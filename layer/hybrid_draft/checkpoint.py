@@ -101,10 +101,18 @@ class Shard:
     tensors: tuple[TensorInfo, ...]
     #: :func:`header_digest` of the header as read (None: not known).
     digest: str | None = dataclasses.field(default=None, compare=False)
+    #: The object-storage address of a shard that is not a local file (``s3://...``): what
+    #: its loader opens. ``path`` then holds the object's key, for its name.
+    uri: str | None = None
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def location(self) -> str:
+        """What a loader opens: the local path, or the object-storage address."""
+        return self.uri if self.uri is not None else str(self.path)
 
     @property
     def data_start(self) -> int:
@@ -382,8 +390,10 @@ def _parse(path: str, data: bytes) -> Any:
     return header
 
 
-def _validate(path: str, header: Any, size: int, file_size: int) -> list[TensorInfo]:
-    """The tensors of a parsed header, checked as safetensors' ``Metadata::validate``."""
+def _validate(path: str, header: Any, size: int, file_size: int | None) -> list[TensorInfo]:
+    """The tensors of a parsed header, checked as safetensors' ``Metadata::validate``;
+    against the file's size too where it is known (an object read by its header alone:
+    not)."""
     if not isinstance(header, (dict, _Repeated)):
         raise CheckpointError(f"{path}: header is a JSON {_json_type(header)}, not an object")
     entries: dict[str, tuple[int, int, str, tuple[int, ...], int]] = {}
@@ -430,6 +440,8 @@ def _validate(path: str, header: Any, size: int, file_size: int) -> list[TensorI
                 f"{end - begin:,}"
             )
         tensors.append(TensorInfo(name, dtype, shape, base + begin, base + end))
+    if file_size is None:
+        return tensors
     if base + start > file_size:
         raise CheckpointError(
             f"{path}: the header places tensors up to byte {base + start:,} but the "
@@ -516,6 +528,32 @@ def read_shard(path: str | os.PathLike[str]) -> Shard:
         return Shard(Path(path), header.tensors, header.digest)
     shown = files.show_path(path)  # a header from elsewhere: checked here
     return Shard(Path(path), tuple(_validate(shown, header, size, os.stat(path).st_size)))
+
+
+def object_shard(uri: str, raw: bytes) -> Shard:
+    """An object-storage shard from its header alone (``raw``: the 8-byte length and that
+    many bytes of JSON, read by ranged requests), checked as :func:`read_shard` checks a
+    file but for the file's size, which a header read does not learn. :class:`CheckpointError`
+    names the address."""
+    shown = files.show_path(uri)
+    if len(raw) < 8:
+        raise CheckpointError(f"{shown}: shorter than a safetensors header (8 bytes)")
+    (size,) = struct.unpack("<Q", raw[:8])
+    if size > MAX_HEADER:
+        raise CheckpointError(
+            f"{shown}: header length {size:,} is over safetensors' limit of {MAX_HEADER:,} bytes"
+        )
+    if len(raw) != 8 + size:
+        raise CheckpointError(
+            f"{shown}: header length {size:,}, but {len(raw) - 8:,} header bytes were read"
+        )
+    try:
+        parsed = _parse(shown, raw[8:])
+    except MemoryError:
+        raise CheckpointError(f"{shown}: header is too large to parse in memory") from None
+    tensors = _validate(shown, parsed, size, None)
+    key = uri.partition("://")[2].partition("/")[2]
+    return Shard(Path(key or "?"), tuple(tensors), header_digest(raw), uri=uri)
 
 
 # --- which files: as vLLM resolves them ------------------------------------------------------
@@ -687,5 +725,5 @@ def selection(shards: Iterable[Shard], keep: Callable[[TensorInfo], bool]) -> Se
     for shard in shards:
         tensors = [t for t in shard.tensors if keep(t)]
         if tensors:
-            kept[str(shard.path)], planned[str(shard.path)] = tensors, shard
+            kept[shard.location], planned[shard.location] = tensors, shard
     return Selection(kept, planned)

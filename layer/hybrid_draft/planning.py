@@ -167,7 +167,7 @@ class DraftPlan:
                 t for t in kept if t.name not in dropped and not (skip is not None and skip(t.name))
             ]
             if chosen:
-                key = str(shard.path)
+                key = shard.location
                 tensors[key], shards[key] = chosen, shard
         return Selection(tensors, shards)
 

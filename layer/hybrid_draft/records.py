@@ -159,6 +159,8 @@ class Cost:
 
     seconds: float
     bytes_read: int | None
+    #: Tensor bytes received from object storage (None: the load read local files).
+    network_bytes: int | None
     tensors: int | None
     shards: int | None
     checkpoint_shards: int | None

@@ -105,5 +105,13 @@ def lazy_load_config(load_config: LoadConfig) -> LoadConfig:
 
 
 def loader_load_config(load_config: LoadConfig, load_format: str) -> LoadConfig:
-    """A lazy copy that routes the draft to one of this layer's registered loaders."""
-    return dataclasses.replace(lazy_load_config(load_config), load_format=load_format)
+    """A lazy copy that routes the draft to one of this layer's registered loaders.
+
+    A Run:ai target's ``model_loader_extra_config`` (``distributed``, ``concurrency``,
+    ``memory_limit``) is not one a ``DefaultModelLoader`` takes: it is dropped (the target's
+    loader has put the streamer's settings in the environment, where the draft's streamer
+    reads them too)."""
+    out = dataclasses.replace(lazy_load_config(load_config), load_format=load_format)
+    if str(load_config.load_format).lower() == policy.RUNAI_STREAMER:
+        out = dataclasses.replace(out, model_loader_extra_config={})
+    return out

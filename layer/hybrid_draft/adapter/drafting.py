@@ -124,11 +124,12 @@ def draft(
     found = held(call, current, scope)
     plan = found.plan if same or decision.switched else None
     plan_error: Opt[str] = ABSENT
+    unsupported: str | None = None
     if plan is None and (same or decision.switched):
         try:
             plan = draftplan.for_call(call, bool(current.skip_replaced.value))
-        except internals.Unsupported:  # a part is off: the decision says part_skipped
-            plan = None
+        except internals.Unsupported as exc:  # a part is off, said with part_skipped
+            plan, unsupported = None, str(exc)
         except Exception as exc:  # reported, and the draft loads on vLLM's own lazy path
             plan_error = f"{type(exc).__name__}: {exc}"
     warnings: Opt[list[dict[str, str]] | None] = ABSENT
@@ -158,7 +159,7 @@ def draft(
         if not ours and family:  # a fastsafetensors or Run:ai draft: its target's loader
             failed = plan_error if isinstance(plan_error, str) else None
             decision = policy.unplanned(
-                decision, loaders_off or failed or "the draft has no plan to load by"
+                decision, loaders_off or failed or unsupported or "the draft has no plan to load by"
             )
         elif not ours:  # vLLM's own lazy path (a selective draft too: its loader is ours)
             load_config = calls.lazy_load_config(call.load_config)

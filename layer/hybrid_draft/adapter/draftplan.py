@@ -1,10 +1,12 @@
 """Building a :class:`~hybrid_draft.planning.DraftPlan` from what vLLM resolves.
 
-At load time (:func:`for_call`): the shard files vLLM's own ``DefaultModelLoader`` resolves
-for the draft's model and revision (downloading from the hub as vLLM would), each header
-read once, the class vLLM's registry builds, its checkpoint-weight rule probed with the
-config the built class holds (``rules.probe_for``), what vLLM will replace once it is
-loaded (``sharing.expected``) and whether selective streaming can run on this host. The
+At load time (:func:`for_call`): the shards vLLM's own loader of the draft's format resolves
+for its model and revision (``DefaultModelLoader``'s, downloading from the hub as vLLM
+would; the Run:ai loader's for a Run:ai draft, a local directory or object storage), each
+header read once (an object's by ranged requests: ``objectstore``), the class vLLM's
+registry builds, its checkpoint-weight rule probed with the config the built class holds
+(``rules.probe_for``), what vLLM will replace once it is loaded (``sharing.expected``) and
+whether selective streaming can run on this host. The
 same from a model directory, for ``hybrid-draft plan``, is
 ``hybrid_draft.tools.draftinfo.for_model_dir``.
 """
@@ -13,8 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hybrid_draft import checkpoint
-from hybrid_draft.adapter import calls, drafts, internals, rules, selective, sharing
+from hybrid_draft import checkpoint, policy
+from hybrid_draft.adapter import calls, drafts, internals, parts, rules, selective, sharing, stats
 from hybrid_draft.planning import DraftPlan
 
 if TYPE_CHECKING:
@@ -37,6 +39,23 @@ def weight_files(call: calls.Call) -> list[str]:
     return sorted(files) if use_safetensors else []
 
 
+def shards(call: calls.Call) -> list[checkpoint.Shard]:
+    """The draft's shards as its loader resolves them, each header read once."""
+    if str(call.load_config.load_format).lower() != policy.RUNAI_STREAMER:
+        return checkpoint.read_files(weight_files(call))
+    off = parts.part_off("runai_stream")
+    if off is not None:
+        raise internals.Unsupported(f"the runai_stream part is off: {off}")
+    config = call.model_config
+    source = str(getattr(config, "model_weights", "") or config.model)
+    files = sorted(internals.runai_weight_files(call.load_config, source, config.revision))
+    if any(map(stats.is_object_uri, files)):
+        from hybrid_draft.adapter import objectstore
+
+        return objectstore.read_shards(files)
+    return checkpoint.read_files(files)
+
+
 def device_of(call: calls.Call) -> str | torch.device | None:
     return call.load_config.device or call.vllm_config.device_config.device
 
@@ -44,10 +63,9 @@ def device_of(call: calls.Call) -> str | torch.device | None:
 def for_call(call: calls.Call, skip_replaced: bool = True) -> DraftPlan | None:
     """The plan of the draft this call loads (None: it has no safetensors shards);
     ``skip_replaced`` false plans the tensors vLLM replaces as read like the rest."""
-    files = weight_files(call)
-    if not files:
+    found = tuple(shards(call))
+    if not found:
         return None
-    shards = tuple(checkpoint.read_files(files))
     cls = drafts.draft_class(call.model_config)
     source = rules.install(cls)
     rule = rules.probe_for(
@@ -66,7 +84,7 @@ def for_call(call: calls.Call, skip_replaced: bool = True) -> DraftPlan | None:
         else frozenset()
     )
     return DraftPlan(
-        shards=shards,
+        shards=found,
         draft_class=cls.__name__,
         rule_source=source,
         rule=rule,

@@ -1,12 +1,14 @@
-"""One pass: the draft's tensors taken from the target's InstantTensor stream, and the load scope.
+"""One pass: the draft's tensors taken from the target's stream, and the load scope.
 
 With ``--load-format instanttensor`` the target's pass streams every tensor of every shard
 to the device (vLLM's ``instanttensor_weights_iterator``, ``copy=True``), the draft's own
-tensors included, and the target's ``load_weights`` drops those. When a same-checkpoint
-draft will follow in this process, the layer keeps them as the stream yields them (a
-:class:`Hold`: references to the very tensors vLLM's iterator made, nothing copied, the
-target's load otherwise unchanged tensor for tensor) and the draft's load takes them from
-memory instead of storage. What is held is capped by the ``hold_budget`` setting and by a
+tensors included, and the target's ``load_weights`` drops those; fastsafetensors and the
+Run:ai Model Streamer stream every tensor of the shards they open too. When a
+same-checkpoint draft will follow in this process, the layer keeps them as the stream
+yields them (a :class:`Hold`: references to the very tensors vLLM's iterator made, or a
+copy of a tensor that is a view into a larger buffer, :func:`own`; the target's load
+otherwise unchanged tensor for tensor) and the draft's load takes them from memory instead
+of storage. What is held is capped by the ``hold_budget`` setting and by a
 quarter of the memory the target leaves free; what does not fit is read by the filtered
 path. Each rank holds only what its own draft load takes (its experts, under expert
 parallelism); only the last pipeline stage, which alone builds the draft, holds anything.
@@ -43,6 +45,17 @@ FREE_SHARE = 4
 
 def nbytes(tensor: Any) -> int:
     return int(tensor.numel()) * int(tensor.element_size())
+
+
+def own(tensor: Any) -> Any:
+    """``tensor`` where it owns its memory, else a copy that does: a view into a larger
+    buffer (a fastsafetensors shard's, a Run:ai ring slot's) would keep all of it alive for
+    as long as it is held."""
+    try:
+        shared = int(tensor.untyped_storage().nbytes()) > nbytes(tensor)
+    except Exception:  # not a torch tensor's storage: held as it is
+        return tensor
+    return tensor.clone() if shared else tensor
 
 
 @dataclass
@@ -114,7 +127,7 @@ class Hold:
         size = nbytes(tensor)
         if self.held_bytes + size > self.budget:
             return
-        self.tensors[name] = tensor
+        self.tensors[name] = own(tensor)
         self.held_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 

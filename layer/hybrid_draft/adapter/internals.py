@@ -158,6 +158,20 @@ CURRENT_CONFIG_OR_NONE = Name("vllm.config:get_current_vllm_config_or_none", ())
 #: pops that record. Not part of any part: where present, a question to that check keeps it.
 LOADED_SHARD_IDS = "loaded_shard_ids"
 
+# vLLM's Run:ai Model Streamer loader (not a DefaultModelLoader): its stream and its files.
+_RUNAI = "vllm.model_executor.model_loader.runai_streamer_loader"
+RUNAI_GET_ALL_WEIGHTS = Name(
+    f"{_RUNAI}:RunaiModelStreamerLoader.get_all_weights", ("self", "model_config", "model")
+)
+RUNAI_PREPARE_WEIGHTS = Name(
+    f"{_RUNAI}:RunaiModelStreamerLoader._prepare_weights",
+    ("self", "model_name_or_path", "revision"),
+)
+RUNAI_ITERATOR = Name(
+    f"{_RUNAI}:runai_safetensors_weights_iterator",
+    ("hf_weights_files", "use_tqdm_on_load", "is_distributed"),
+)
+
 # The proposers' replacement of an MTP draft's embedding and head (the skip relies on it).
 _V1 = "vllm.v1.spec_decode.eagle:EagleProposer"
 _MRV2 = "vllm.v1.worker.gpu.spec_decode.eagle.utils"
@@ -212,6 +226,9 @@ PARTS: Mapping[str, tuple[Layout, ...]] = MappingProxyType(
             GET_PP_GROUP,
         ),
         "direct_loads": _one(LOAD_MODEL),
+        # A Run:ai target's stream seen (its one pass, its load figures) and its draft's
+        # shards resolved as vLLM's Run:ai loader resolves them (local or object storage).
+        "runai_stream": _one(RUNAI_GET_ALL_WEIGHTS, RUNAI_PREPARE_WEIGHTS, RUNAI_ITERATOR),
         # The pipeline-parallel guard's InstantTensor read without vLLM's world group.
         "ungrouped_draft": _one(
             PREPARE_WEIGHTS,
@@ -575,6 +592,21 @@ def prepare_weights(
         model_name_or_path, subfolder, revision, fall_back_to_pt, allow_patterns_overrides
     )
     return folder, files, use_safetensors, index_file
+
+
+def runai_weight_files(
+    load_config: LoadConfig, model_or_path: str, revision: str | None
+) -> list[str]:
+    """The shards vLLM's Run:ai loader resolves for ``model_or_path`` (a local directory,
+    an object-storage address or a hub id): ``RunaiModelStreamerLoader._prepare_weights``.
+    Raises :class:`Unsupported` on a vLLM where it has another shape."""
+    from vllm.model_executor.model_loader.runai_streamer_loader import RunaiModelStreamerLoader
+
+    _require(RUNAI_PREPARE_WEIGHTS)
+    files: list[str] = RunaiModelStreamerLoader(load_config)._prepare_weights(
+        model_or_path, revision
+    )
+    return files
 
 
 def should_skip_weight(weight_name: str, local_expert_ids: set[int] | None) -> bool:

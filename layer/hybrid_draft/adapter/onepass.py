@@ -1,5 +1,5 @@
-"""The target's side of one pass: whether its InstantTensor stream keeps the draft's
-tensors, and which (:func:`tap`).
+"""The target's side of one pass: whether its stream (InstantTensor, fastsafetensors or the
+Run:ai Model Streamer) keeps the draft's tensors, and which (:func:`tap`).
 
 Served loads and ``hybrid-draft bench``'s ``one_pass`` strategy both call :func:`tap` on
 real vLLM configs, so the bench holds what a served load holds: the draft's plan, less
@@ -22,8 +22,14 @@ if TYPE_CHECKING:
     from vllm.config import ModelConfig
 
 
-#: Target formats whose weights vLLM's ``DefaultModelLoader`` streams, which the tap sees.
-_STREAMED = (policy.INSTANTTENSOR, policy.FASTSAFETENSORS)
+#: The target formats whose stream the tap sees, and the parts that must be on for it:
+#: ``DefaultModelLoader`` streams InstantTensor and fastsafetensors, vLLM's
+#: ``RunaiModelStreamerLoader`` the Run:ai Model Streamer.
+_STREAMED = {
+    policy.INSTANTTENSOR: ("one_pass", "draft_loaders"),
+    policy.FASTSAFETENSORS: ("one_pass", "draft_loaders"),
+    policy.RUNAI_STREAMER: ("one_pass", "draft_loaders", "runai_stream"),
+}
 
 
 @dataclass(frozen=True)
@@ -44,13 +50,13 @@ def tap(call: calls.Call, current: settings.Settings, scope: hold.Scope | None) 
     setting = int(current.hold_budget.value)
     if setting <= 0:
         return _off("hold_budget_zero")
-    for part in ("one_pass", "draft_loaders"):
-        why = parts.part_off(part)
-        if why is not None:
-            return _off("part_skipped", why)
     requested = call.request().requested_format
     if requested not in _STREAMED or requested not in loaders.handled_formats(current):
         return _off("not_instanttensor")
+    for part in _STREAMED[requested]:
+        why = parts.part_off(part)
+        if why is not None:
+            return _off("part_skipped", f"{part}: {why}")
     if scope is None:
         return _off("no_load_scope", "the target was not loaded by a model runner's load_model")
     spec = call.speculative_config
@@ -72,10 +78,20 @@ def tap(call: calls.Call, current: settings.Settings, scope: hold.Scope | None) 
     if plan is None or plan.is_unused is None or not plan.kept:
         return _off("no_plan", "the draft has no checkpoint-weight rule or keeps nothing")
     tp = max(1, call.vllm_config.parallel_config.tensor_parallel_size)
-    limit = budget(setting, plan, draftplan.device_of(call), tp)
+    limit = budget(setting, plan, stream_device(call, requested), tp)
     made = hold.Hold.of(plan, draft_config, limit, expert_filter(draft_call), current)
     scope.holds.append(made)
     return Tap(made, made.report())
+
+
+def stream_device(call: calls.Call, requested: str) -> object:
+    """Where the target's stream puts its tensors, whose memory the hold takes: vLLM's
+    Run:ai iterator streams onto the host unless its streaming is distributed."""
+    if requested == policy.RUNAI_STREAMER:
+        extra = call.load_config.model_loader_extra_config
+        if not (isinstance(extra, dict) and extra.get("distributed") is True):
+            return "cpu"
+    return draftplan.device_of(call)
 
 
 def budget(setting: int, plan: DraftPlan, device: object, tensor_parallel_size: int) -> int:

@@ -69,6 +69,12 @@ def installed() -> Installed:
             unmeasured = f"{type(exc).__name__}: {exc}"
     if unmeasured:
         caps = caps.without("one_pass", unmeasured)
+    if caps.reason("runai_stream") is None:
+        try:
+            stats.instrument_runai(sys.modules[internals.RUNAI_ITERATOR.path.partition(":")[0]])
+        except Exception as exc:  # its targets load as vLLM loads them, unmeasured
+            caps = caps.without("runai_stream", f"{type(exc).__name__}: {exc}")
+            _part_skipped(caps, "runai_stream")
     for part, failure in _register_loaders(caps):
         caps = caps.without(part, failure)
         _part_skipped(caps, part)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hybrid_draft import checkpoint
-from hybrid_draft.adapter import internals, shardread
+from hybrid_draft.adapter import internals, shardread, stats
 
 Weights = Generator[tuple[str, torch.Tensor], None, None]
 
@@ -191,7 +191,9 @@ def runai_filtered_iterator(
     selection: checkpoint.Selection, use_tqdm_on_load: bool = True
 ) -> Weights:
     """Stream exactly the selected tensors with Run:ai's Model Streamer (0.17's
-    ``tensor_names``): it reads each shard's header, then only the kept tensors' byte ranges.
+    ``tensor_names``): it reads each shard's header, then only the kept tensors' byte ranges,
+    from local files or object storage (the selection's shards are addressed as the
+    streamer opens them), the bytes from object storage counted (``stats.received``).
 
     Onto the CPU, as vLLM's own Run:ai iterator does outside distributed streaming; the
     tensors are the caller's (``owned=True``), so none is copied again.
@@ -209,6 +211,6 @@ def runai_filtered_iterator(
         ) as bar,
     ):
         streamer.stream_files(paths, device="cpu", tensor_names=selection.names)
-        for name, tensor in streamer.get_tensors():
+        for name, tensor in stats.received(paths, streamer.get_tensors()):
             bar.update(1)
             yield name, tensor

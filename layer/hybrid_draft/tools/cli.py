@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from hybrid_draft import policy
 from hybrid_draft.tools import args as types
 
 #: Set to a non-empty value other than 0 to see the traceback of an unexpected error.
@@ -179,8 +180,21 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_doctor)
 
     pl = sub.add_parser("plan", help="what a same-checkpoint MTP draft reads under each mode")
-    pl.add_argument("model_dir")
+    pl.add_argument("model_dir", help="a checkpoint directory, or an s3://, gs:// or az:// address")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument(
+        "--load-format",
+        choices=policy.TARGET_FORMATS,
+        default=None,
+        help="the target's load format (default: instanttensor; runai_streamer for an "
+        "object-storage address)",
+    )
+    pl.add_argument(
+        "--timeout",
+        type=types.at_most(types.positive, 3600.0),
+        default=120.0,
+        help="seconds to wait for object storage (default 120)",
+    )
     pl.add_argument(
         "--trust-remote-code",
         action="store_true",

@@ -283,7 +283,46 @@ def for_model_dir(
 
     Raises ``checkpoint.CheckpointError`` or :class:`PlanError` (one line each)."""
     shards = tuple(checkpoint.read_checkpoint(model_dir))
-    draft = mtp_draft(model_dir, trust_remote_code=trust_remote_code)
+    return _plan(model_dir, shards, trust_remote_code, skip_replaced)
+
+
+def for_object_store(
+    uri: str, config_dir: str, trust_remote_code: bool = False, skip_replaced: bool = True
+) -> DraftPlan:
+    """The plan of a same-checkpoint MTP draft of a checkpoint in object storage, as a Run:ai
+    target's draft is planned: its JSON files copied into ``config_dir`` (the caller's
+    temporary directory), each shard's header read by ranged requests
+    (``adapter.objectstore``), no tensor.
+
+    Raises ``checkpoint.CheckpointError`` or :class:`PlanError` naming ``uri``."""
+    from hybrid_draft.adapter import objectstore
+
+    try:
+        objectstore.pull_configs(uri, config_dir)
+        found = objectstore.list_shards(uri)
+    except Exception as exc:  # the client's own error, on one line
+        raise PlanError(f"{uri}: cannot be listed: {files.error_line(exc)}") from None
+    if not found:
+        raise PlanError(f"{uri}: holds no *.safetensors objects")
+    try:
+        shards = tuple(objectstore.read_shards(found))
+    except checkpoint.CheckpointError:
+        raise
+    except Exception as exc:
+        raise PlanError(f"{uri}: shard headers cannot be read: {files.error_line(exc)}") from None
+    try:
+        return _plan(config_dir, shards, trust_remote_code, skip_replaced)
+    except PlanError as exc:
+        raise PlanError(str(exc).replace(config_dir, uri.rstrip("/"))) from None
+
+
+def _plan(
+    config_dir: str,
+    shards: tuple[checkpoint.Shard, ...],
+    trust_remote_code: bool,
+    skip_replaced: bool,
+) -> DraftPlan:
+    draft = mtp_draft(config_dir, trust_remote_code=trust_remote_code)
     try:  # a rule reads the config: one that lacks what it needs fails here
         plan = DraftPlan(
             shards=shards,
@@ -300,7 +339,7 @@ def for_model_dir(
         plan.vllm_unused  # noqa: B018
     except Exception as exc:
         raise PlanError(
-            f"{model_dir}: the {draft.draft_class} weight rule fails on this config: "
+            f"{config_dir}: the {draft.draft_class} weight rule fails on this config: "
             f"{type(exc).__name__}: {exc}"
         ) from None
     return plan

@@ -21,6 +21,11 @@ do with the checkpoint:
 - ``one_pass``: the target's InstantTensor pass keeps the draft's tensors for it, up to
   the hold budget; the row is what the draft still reads from storage.
 
+For a fastsafetensors or Run:ai target (``load_format``), the stock rows are that format's
+(``fastsafetensors``, ``fastsafetensors_pruned``...: the same shards read whole by that
+loader), ``auto`` is its filtered read (the same selection, by that library's filter),
+``selective`` decides as ``auto`` and is left out, and there is no lazy row.
+
 Per row: ``shards`` (files opened), ``tensors`` and ``bytes`` (read whole; null where the
 class has no rule) and ``touched_tensors`` (tensors the loader opens at all).
 """
@@ -95,8 +100,11 @@ def _base(path: str) -> str:
     return path.rsplit("/", 1)[-1]
 
 
-def rows(plan: DraftPlan, hold_budget: int | None = None) -> dict[str, Reads]:
-    """The reads of each row (see the module doc); ``one_pass`` when a hold budget is given."""
+def rows(
+    plan: DraftPlan, hold_budget: int | None = None, load_format: str = policy.INSTANTTENSOR
+) -> dict[str, Reads]:
+    """The reads of each row for a target of ``load_format`` (see the module doc);
+    ``one_pass`` when a hold budget is given."""
     unused = plan.is_unused
     stock = prune(plan.shards, plan.vllm_unused)
     pruned = prune(plan.shards, unused)
@@ -112,14 +120,21 @@ def rows(plan: DraftPlan, hold_budget: int | None = None) -> dict[str, Reads]:
         if blocker
         else auto
     )
-    rows = {
-        "instanttensor": _whole(stock),
-        "instanttensor_pruned": _whole(pruned),
-        "lazy": _lazy(stock, unused),
-        "lazy_pruned": _lazy(pruned, unused),
-        "auto": auto,
-        "selective": selective,
-    }
+    if load_format == policy.INSTANTTENSOR:
+        rows = {
+            "instanttensor": _whole(stock),
+            "instanttensor_pruned": _whole(pruned),
+            "lazy": _lazy(stock, unused),
+            "lazy_pruned": _lazy(pruned, unused),
+            "auto": auto,
+            "selective": selective,
+        }
+    else:  # a draft without a rule is not switched: it loads as vLLM loads it (no_plan)
+        rows = {
+            load_format: _whole(stock),
+            f"{load_format}_pruned": _whole(pruned),
+            "auto": auto if unused is not None else _whole(stock),
+        }
     if hold_budget is not None and unused is not None and plan.kept:
         held = {t.name for t in plan.holdable(hold_budget)}
         rest = _reads(plan.selection(skip=held.__contains__))
@@ -134,19 +149,28 @@ def rows(plan: DraftPlan, hold_budget: int | None = None) -> dict[str, Reads]:
     return rows
 
 
-def report(plan: DraftPlan, model_dir: str, hold_budget: int | None = None) -> dict[str, Any]:
-    """The JSON object of ``plan --json``."""
-    decision = auto_decision()
+def report(
+    plan: DraftPlan,
+    model_dir: str,
+    hold_budget: int | None = None,
+    load_format: str = policy.INSTANTTENSOR,
+) -> dict[str, Any]:
+    """The JSON object of ``plan --json`` for a target loaded with ``load_format``."""
+    decision = auto_decision(load_format)
+    if decision.switched and load_format != policy.INSTANTTENSOR and plan.is_unused is None:
+        # a fastsafetensors or Run:ai draft is read by its plan or not switched at all
+        decision = policy.unplanned(decision, "the draft class has no checkpoint-weight rule")
     auto: dict[str, Any] = {
         "action": decision.action,
         "reason": decision.reason,
         "chosen_format": decision.chosen_format,
     }
-    if decision.chosen_format == policy.SAFETENSORS:
+    if decision.switched:
         auto["tensor_filter"] = plan.rule_source != "none"
     by_name = {t.name: t for t in plan.kept}
     return {
         "model_dir": model_dir,
+        "load_format": load_format,
         "draft_class": plan.draft_class,
         "rule_source": plan.rule_source,
         "checkpoint": {
@@ -160,17 +184,17 @@ def report(plan: DraftPlan, model_dir: str, hold_budget: int | None = None) -> d
             "modules": sorted(set(plan.replaced.values())),
             "names": sorted(plan.replaced),
         },
-        "modes": {name: r.as_dict() for name, r in rows(plan, hold_budget).items()},
+        "modes": {name: r.as_dict() for name, r in rows(plan, hold_budget, load_format).items()},
         "warnings": plan.warnings(),
     }
 
 
-def auto_decision() -> policy.Decision:
-    """What mode ``auto`` decides for a same-checkpoint draft of an InstantTensor target."""
+def auto_decision(load_format: str = policy.INSTANTTENSOR) -> policy.Decision:
+    """What mode ``auto`` decides for a same-checkpoint draft of a ``load_format`` target."""
     same = policy.Checkpoint(model=".")
     request = policy.Request(
         role="draft",
-        requested_format=policy.INSTANTTENSOR,
+        requested_format=load_format,
         method="mtp",
         model=same,
         target=same,

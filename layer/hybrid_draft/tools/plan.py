@@ -1,5 +1,9 @@
 """``hybrid-draft plan MODEL_DIR``: what a same-checkpoint MTP draft of a checkpoint reads under
-each mode, from its config and shard headers alone (no weights read), and its rendering."""
+each mode, from its config and shard headers alone (no weights read), and its rendering.
+
+``MODEL_DIR`` may be an object-storage address (``s3://``, ``gs://``, ``az://``), planned as a
+Run:ai target's draft is: its JSON files copied to a temporary directory, its shard headers
+read by ranged requests, within ``--timeout`` seconds."""
 
 from __future__ import annotations
 
@@ -23,34 +27,89 @@ def run(args: argparse.Namespace) -> int:
             gc.enable()
 
 
+def _fail(message: str) -> int:
+    from hybrid_draft import files
+
+    print(f"hybrid-draft plan: {files.one_line(message, 2000)}", file=sys.stderr)
+    return 2
+
+
 def _plan_checkpoint(args: argparse.Namespace) -> int:
     import os
 
-    from hybrid_draft import checkpoint, files, settings
+    from hybrid_draft import checkpoint, policy, settings
+    from hybrid_draft.adapter import stats
 
+    remote = stats.is_object_uri(args.model_dir)
+    load_format = args.load_format or (policy.RUNAI_STREAMER if remote else policy.INSTANTTENSOR)
+    if remote and load_format != policy.RUNAI_STREAMER:
+        return _fail(
+            f"{args.model_dir}: only the Run:ai Model Streamer reads object storage "
+            f"(--load-format {policy.RUNAI_STREAMER}); --load-format {load_format} reads a "
+            "local directory or a hub download"
+        )
     if os.path.isdir(args.model_dir):  # a config.json that cannot be read: before vLLM loads
         try:
             checkpoint.read_json(args.model_dir, checkpoint.CONFIG_NAME, checkpoint.CONFIG_LIMIT)
         except FileNotFoundError:
             pass  # said below, as the draft's config
         except checkpoint.CheckpointError as exc:
-            print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
-            return 2
+            return _fail(str(exc))
     from hybrid_draft.tools import draftinfo, modes
 
     current, _ = settings.load_lenient()  # what the load would do here, else the defaults
     skip = bool(current.skip_replaced.value) if current else True
     budget = int(current.hold_budget.value) if current else settings.DEFAULT_HOLD_BUDGET
     try:  # every shard checked as safetensors checks it, inside the model directory
-        plan = draftinfo.for_model_dir(
-            args.model_dir, trust_remote_code=args.trust_remote_code, skip_replaced=skip
-        )
+        if remote:
+            plan = _remote(args, skip)
+        else:
+            plan = draftinfo.for_model_dir(
+                args.model_dir, trust_remote_code=args.trust_remote_code, skip_replaced=skip
+            )
     except (OSError, checkpoint.CheckpointError, draftinfo.PlanError) as exc:
-        print(f"hybrid-draft plan: {files.one_line(str(exc), 2000)}", file=sys.stderr)
-        return 2
-    result = modes.report(plan, args.model_dir, hold_budget=budget)
+        return _fail(str(exc))
+    result = modes.report(plan, args.model_dir, hold_budget=budget, load_format=load_format)
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
+
+
+def _remote(args: argparse.Namespace, skip_replaced: bool) -> Any:
+    """The plan of an object-storage checkpoint, or exit status 2 once ``--timeout`` passes
+    without an answer (the storage client's own retries may take minutes)."""
+    import os
+    import shutil
+    import tempfile
+    import threading
+
+    from hybrid_draft.tools import draftinfo
+
+    config_dir = tempfile.mkdtemp(prefix="hybrid-draft-plan-")
+    out: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            out["plan"] = draftinfo.for_object_store(
+                args.model_dir, config_dir, args.trust_remote_code, skip_replaced
+            )
+        except BaseException as exc:  # raised again in the caller's thread
+            out["error"] = exc
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(args.timeout)
+    if worker.is_alive():
+        shutil.rmtree(config_dir, ignore_errors=True)
+        _fail(
+            f"{args.model_dir}: no answer from the object store within {args.timeout:g} s "
+            "(--timeout); check the address, AWS_ENDPOINT_URL and the credentials"
+        )
+        sys.stderr.flush()
+        os._exit(2)  # the client's thread cannot be stopped
+    shutil.rmtree(config_dir, ignore_errors=True)
+    if "error" in out:
+        raise out["error"]
+    return out["plan"]
 
 
 def _gb(n: int | None) -> str:
@@ -85,7 +144,8 @@ def table(result: dict[str, Any]) -> str:
         stream = one_pass["stream"]
         lines.append(
             f"one pass     {stream['tensors']} tensors, {_gb(stream['bytes'])} taken from "
-            f"the target's InstantTensor pass (hold budget {_gb(one_pass['hold_budget'])})"
+            f"the target's {result['load_format']} pass (hold budget "
+            f"{_gb(one_pass['hold_budget'])})"
         )
     for i, w in enumerate(result.get("warnings", [])):
         lines.append(f"{'warning' if i == 0 else '':<13}{w['code']}: {w['detail']}")

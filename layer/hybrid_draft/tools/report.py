@@ -35,6 +35,7 @@ OBJECTS = ("sources", "one_pass")
 NUMBERS = (
     "seconds",
     "bytes_read",
+    "network_bytes",
     "tensors",
     "shards",
     "checkpoint_shards",
@@ -116,12 +117,20 @@ def _row(e: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def fetched(row: dict[str, Any]) -> int | float | None:
+    """What a load took from where the weights are: storage bytes, plus the bytes it
+    received from object storage (None: neither is known)."""
+    known = [v for v in (row.get("bytes_read"), row.get("network_bytes")) if v is not None]
+    return sum(known) if known else None
+
+
 def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, Any]:
     full = draft.get("checkpoint_bytes")
-    read_bytes = draft.get("bytes_read")
+    read_bytes = fetched(draft)
     out: dict[str, Any] = {
         "full_pass_bytes": full,
         "bytes_read": read_bytes,
+        "network_bytes": draft.get("network_bytes"),
         "bytes_saved": None,
         "share_read": None,
     }
@@ -313,7 +322,9 @@ def render(summary: dict[str, Any]) -> str:
                     row["role"] or "?",
                     fmt,
                     _num(row["seconds"], "{:.2f}"),
-                    _bytes(row["bytes_read"]),
+                    _bytes(row["bytes_read"])
+                    if row["network_bytes"] is None
+                    else f"{_bytes(row['network_bytes'])} (network)",
                     _num(row["tensors"]),
                     shards,
                     decision,
@@ -337,8 +348,9 @@ def render(summary: dict[str, Any]) -> str:
             s = row.get("vs_full_pass")
             if not s:
                 continue
+            how = "read" if s["network_bytes"] is None else "fetched, over the network too,"
             text = (
-                f"  draft vs a second full pass: read {_bytes(s['bytes_read'])} of "
+                f"  draft vs a second full pass: {how} {_bytes(s['bytes_read'])} of "
                 f"{_bytes(s['full_pass_bytes'])}"
             )
             if s["share_read"] is not None:

@@ -75,8 +75,8 @@ class PlannedDraftLoader(DefaultModelLoader):
             skip=lambda n: n in from_hold or internals.should_skip_weight(n, local),
             replaced=read.skipped,
         )
-        files = [str(s.path) for s in read.plan.shards]
-        stats.resolved(files)
+        files = [s.location for s in read.plan.shards]
+        stats.resolved(files, {s.location: s.size for s in read.plan.shards})
         stats.dropped(set(files) - set(selection.files))
         if self.counter_before_loading_weights == 0.0:
             self.counter_before_loading_weights = time.perf_counter()

@@ -1,0 +1,558 @@
+"""A real S3-compatible server on loopback that counts the bytes it serves.
+
+Tests that stream from S3 (Run:ai Model Streamer's C++ client, boto3) need a server that speaks
+real HTTP, so the client under test runs unchanged, and a record of what it pulled: which
+object, which byte range, how many body bytes. ``S3Server`` runs moto's S3 backend in a
+subprocess (this file, run as a script) behind a WSGI middleware that appends one JSON line per
+request to a log file, flushed as it happens, which the test process reads back.
+
+    with S3Server() as s3:
+        uri = s3.upload_dir(checkpoint_dir, "models", "draft")
+        subprocess.run([...], env=s3.client_env(), check=True)
+        assert s3.bytes_by_key()["draft/model.safetensors"] == expected
+
+Path-style addressing only (``http://127.0.0.1:PORT/bucket/key``): a virtual host like
+``bucket.127.0.0.1`` does not resolve, hence ``RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING=0``
+in ``env``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+HOST = "127.0.0.1"
+ACCESS_KEY_ID = "testing"
+SECRET_ACCESS_KEY = "testing"
+REGION = "us-east-1"
+START_TIMEOUT_S = 30.0
+SETTLE_TIMEOUT_S = 10.0
+_PIECE = 64 * 1024
+
+# What a client process must not inherit: each would steer it away from this server (another
+# endpoint, profile or credentials) or through a proxy.
+_CLIENT_ENV_DROP = (
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_USE_DUALSTACK_ENDPOINT",
+    "AWS_USE_FIPS_ENDPOINT",
+    "RUNAI_STREAMER_S3_UNSIGNED",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request the server answered, as the middleware saw it.
+
+    ``sent`` is the number of body bytes written to the client's socket (0 for HEAD; equal to
+    ``content_length`` for a whole answer); ``complete`` is False when the client went away
+    before the body was all written (then ``sent`` is exact to within 64 KiB).
+    """
+
+    seq: int
+    method: str
+    bucket: str
+    key: str
+    query: str
+    range: str | None
+    status: int
+    sent: int
+    content_length: int | None
+    complete: bool
+    started: float
+    ended: float
+
+    @property
+    def is_object_get(self) -> bool:
+        """A GET of an object (not a listing, not a HEAD), whatever its status."""
+        return self.method == "GET" and bool(self.key)
+
+    @property
+    def ok(self) -> bool:
+        """A 2xx answer: its body is the object's bytes, not an error document."""
+        return 200 <= self.status < 300
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        """The requested ``(first, last)`` byte, inclusive, of a ``bytes=a-b`` Range."""
+        if not self.range or not self.range.startswith("bytes="):
+            return None
+        first, _, last = self.range[len("bytes=") :].partition("-")
+        if not first or not last or "," in last:
+            return None
+        return int(first), int(last)
+
+
+class S3ServerError(RuntimeError):
+    """The server did not start, or died, or its log did not settle."""
+
+
+class S3Server:
+    """Moto's S3 in a subprocess on ``127.0.0.1`` on a free port, recording every request.
+
+    A context manager: ``__enter__`` starts it and waits until it answers, ``__exit__`` stops
+    it (terminate, then kill) and removes its temporary folder (log included).
+    """
+
+    def __init__(self, start_timeout: float = START_TIMEOUT_S) -> None:
+        self.start_timeout = start_timeout
+        self.startup_s: float | None = None
+        self._dir: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._port: int | None = None
+        self._mark = 0
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> S3Server:
+        """Start the subprocess; it binds port 0 itself and reports the port, so no race."""
+        if self._proc is not None:
+            raise S3ServerError("already started")
+        self._dir = Path(tempfile.mkdtemp(prefix="s3server-"))
+        port_file = self._dir / "port"
+        out = (self._dir / "server.out").open("wb")
+        began = time.monotonic()
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--log",
+                    str(self.log_path),
+                    "--port-file",
+                    str(port_file),
+                    "--parent",
+                    str(os.getpid()),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=_server_env(),
+                start_new_session=True,
+            )
+        finally:
+            out.close()
+        try:
+            self._port = self._wait_for_port(port_file, began)
+            self._wait_until_answering(began)
+        except BaseException:
+            self.stop(keep_files=True)  # the error names server.out: leave it to be read
+            raise
+        self.startup_s = time.monotonic() - began
+        self.reset()  # the readiness probe is no client's read
+        return self
+
+    def stop(self, keep_files: bool = False) -> None:
+        """Terminate, kill after 5 s, and remove the temporary folder (unless ``keep_files``)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if self._dir is not None and not keep_files:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir = None
+        self._port = None
+
+    def __enter__(self) -> S3Server:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- where it is, and what a client needs ----------------------------------------------
+
+    @property
+    def log_path(self) -> Path:
+        """The JSONL the server appends to: a ``start`` and an ``end`` line per request."""
+        if self._dir is None:
+            raise S3ServerError("not started")
+        return self._dir / "requests.jsonl"
+
+    @property
+    def output_path(self) -> Path:
+        """The server's own stdout and stderr (werkzeug's access log, tracebacks)."""
+        if self._dir is None:
+            raise S3ServerError("not started")
+        return self._dir / "server.out"
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise S3ServerError("not started")
+        return self._port
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a client needs set to reach this server: boto3 and Run:ai's C++ client alike.
+
+        AWS_ENDPOINT_URL is read by both; path-style addressing is Run:ai's
+        RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING=0 (its default, 1, would put the bucket in the
+        host name); the instance-metadata lookup is switched off so no credential probe leaves
+        the machine; the credentials are dummies (moto does not check signatures).
+        """
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": SECRET_ACCESS_KEY,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+            "NO_PROXY": f"{HOST},localhost",
+            "no_proxy": f"{HOST},localhost",
+        }
+
+    def client_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """A whole environment for a client subprocess: ``base`` (default ``os.environ``) less
+        what would steer it elsewhere, plus ``env``. Shared AWS config and credentials files
+        point at absent paths, so a profile on the host cannot override the dummies."""
+        ours = self.env
+        assert self._dir is not None
+        merged = dict(os.environ if base is None else base)
+        for name in _CLIENT_ENV_DROP:
+            merged.pop(name, None)
+        merged["AWS_CONFIG_FILE"] = str(self._dir / "absent-aws-config")
+        merged["AWS_SHARED_CREDENTIALS_FILE"] = str(self._dir / "absent-aws-credentials")
+        merged.update(ours)
+        return merged
+
+    # -- content ----------------------------------------------------------------------------
+
+    def client(self) -> Any:
+        """A boto3 S3 client for this server (path style, dummy credentials)."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY_ID,
+            aws_secret_access_key=SECRET_ACCESS_KEY,
+            region_name=REGION,
+            config=Config(s3={"addressing_style": "path"}),
+        )
+
+    def upload_dir(self, local_dir: Path | str, bucket: str, prefix: str = "") -> str:
+        """Create ``bucket`` (if new) and upload every file under ``local_dir`` to
+        ``prefix/<relative path>``; returns ``s3://bucket/prefix``. Uploads are recorded
+        too: call ``reset()`` after, to count only what a client then reads."""
+        root = Path(local_dir)
+        s3 = self.client()
+        existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
+        if bucket not in existing:
+            s3.create_bucket(Bucket=bucket)
+        prefix = prefix.strip("/")
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            rel = path.relative_to(root).as_posix()
+            key = f"{prefix}/{rel}" if prefix else rel
+            # put_object, one request per file: upload_file would go multipart past 8 MiB.
+            with path.open("rb") as f:
+                s3.put_object(Bucket=bucket, Key=key, Body=f)
+        return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+    # -- the record -------------------------------------------------------------------------
+
+    def mark(self) -> int:
+        """The log's current end, for ``requests(since=...)``; settles first."""
+        return len(self._settle().encode())
+
+    def reset(self) -> None:
+        """Forget what was served so far: later reads count from here."""
+        self._mark = self.mark()
+
+    def requests(self, since: int | None = None) -> list[Served]:
+        """Every request answered since ``since`` (a ``mark()``; default: the last
+        ``reset()``), in the order they ended. Waits until each request the server has
+        started has ended, so a client that has just finished is counted whole."""
+        text = self._settle()
+        offset = self._mark if since is None else since
+        out = []
+        for line in text.encode()[offset:].decode().splitlines():
+            rec = json.loads(line)
+            if rec.pop("event") == "end":
+                out.append(Served(**rec))
+        return out
+
+    def object_gets(self, since: int | None = None) -> list[Served]:
+        """``requests()`` less listings, HEADs and uploads (errors kept: see ``Served.ok``)."""
+        return [r for r in self.requests(since) if r.is_object_get]
+
+    def bytes_by_key(self, since: int | None = None, bucket: str | None = None) -> dict[str, int]:
+        """Object bytes sent per key: the bodies of 2xx GETs (an error document is no data)."""
+        out: dict[str, int] = defaultdict(int)
+        for r in self.object_gets(since):
+            if r.ok and (bucket is None or r.bucket == bucket):
+                out[r.key] += r.sent
+        return dict(out)
+
+    def bytes_by_range(
+        self, since: int | None = None
+    ) -> dict[tuple[str, str], list[tuple[str | None, int]]]:
+        """Per ``(bucket, key)``, each 2xx GET's ``(Range header, bytes sent)``, in the order
+        the requests ended (concurrent parts may end out of order)."""
+        out: dict[tuple[str, str], list[tuple[str | None, int]]] = defaultdict(list)
+        for r in self.object_gets(since):
+            if r.ok:
+                out[(r.bucket, r.key)].append((r.range, r.sent))
+        return dict(out)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _settle(self, timeout: float = SETTLE_TIMEOUT_S) -> str:
+        """The log's text once every started request has ended (bounded wait)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log_path.read_text() if self.log_path.exists() else ""
+            open_ = set()
+            for line in text.splitlines():
+                rec = json.loads(line)
+                if rec["event"] == "start":
+                    open_.add(rec["seq"])
+                else:
+                    open_.discard(rec["seq"])
+            if not open_:
+                return text
+            if time.monotonic() > deadline:
+                raise S3ServerError(
+                    f"requests {sorted(open_)} still open after {timeout:.0f} s; "
+                    f"see {self.log_path}"
+                )
+            time.sleep(0.02)
+
+    def _wait_for_port(self, port_file: Path, began: float) -> int:
+        assert self._proc is not None
+        while True:
+            if port_file.exists():
+                return int(port_file.read_text())
+            self._check_alive_and_time(began)
+            time.sleep(0.05)
+
+    def _wait_until_answering(self, began: float) -> None:
+        url = f"http://{HOST}:{self._port}/moto-api/"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        while True:
+            try:
+                with opener.open(url, timeout=2) as resp:
+                    resp.read()
+                    return
+            except urllib.error.HTTPError:
+                return  # an HTTP answer of any status: it is serving
+            except OSError:
+                pass
+            self._check_alive_and_time(began)
+            time.sleep(0.05)
+
+    def _check_alive_and_time(self, began: float) -> None:
+        assert self._proc is not None and self._dir is not None
+        if self._proc.poll() is not None:
+            raise S3ServerError(
+                f"S3 server exited with {self._proc.returncode} while starting; "
+                f"see {self._dir / 'server.out'}:\n{_tail(self._dir / 'server.out')}"
+            )
+        if time.monotonic() - began > self.start_timeout:
+            raise S3ServerError(
+                f"S3 server did not answer within {self.start_timeout:g} s; "
+                f"see {self._dir / 'server.out'}:\n{_tail(self._dir / 'server.out')}"
+            )
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def _server_env() -> dict[str, str]:
+    """The server's environment: no AWS settings of the host's leak into moto."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        AWS_ACCESS_KEY_ID=ACCESS_KEY_ID,
+        AWS_SECRET_ACCESS_KEY=SECRET_ACCESS_KEY,
+        AWS_DEFAULT_REGION=REGION,
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+# -- the subprocess ---------------------------------------------------------------------------
+
+
+class _Recorder:
+    """WSGI middleware: a ``start`` line when a request arrives, an ``end`` line (the
+    ``Served`` fields) once its body has been handed over or abandoned."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], log_path: Path) -> None:
+        self._app = app
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._log = log_path.open("a", encoding="utf-8")
+
+    def write(self, rec: dict[str, Any]) -> None:
+        with self._lock:
+            self._log.write(json.dumps(rec) + "\n")
+            self._log.flush()
+
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        self.write({"event": "start", "seq": seq})
+        # PATH_INFO is percent-decoded, as latin-1 (PEP 3333); keys are UTF-8.
+        path = environ.get("PATH_INFO", "").encode("latin-1").decode("utf-8", "replace")
+        bucket, _, key = path.lstrip("/").partition("/")
+        rec: dict[str, Any] = {
+            "event": "end",
+            "seq": seq,
+            "method": environ.get("REQUEST_METHOD", ""),
+            "bucket": bucket,
+            "key": key,
+            "query": environ.get("QUERY_STRING", ""),
+            "range": environ.get("HTTP_RANGE"),
+            "status": 0,
+            "sent": 0,
+            "content_length": None,
+            "complete": False,
+            "started": time.time(),
+            "ended": 0.0,
+        }
+
+        def counting_start_response(
+            status: str, headers: list[tuple[str, str]], exc_info: Any = None
+        ) -> Callable[[bytes], Any]:
+            rec["status"] = int(status.split(" ", 1)[0])
+            for name, value in headers:
+                if name.lower() == "content-length":
+                    rec["content_length"] = int(value)
+            write = start_response(status, headers, exc_info)
+
+            def counting_write(data: bytes) -> Any:
+                rec["sent"] += len(data)
+                return write(data)
+
+            return counting_write
+
+        try:
+            body = self._app(environ, counting_start_response)
+        except BaseException:
+            rec["ended"] = time.time()
+            self.write(rec)
+            raise
+        return _Counted(body, rec, self.write)
+
+
+class _Counted:
+    """The app's body, counted as werkzeug writes it out; the record is written on ``close()``."""
+
+    def __init__(
+        self, body: Iterable[bytes], rec: dict[str, Any], write: Callable[[dict[str, Any]], None]
+    ) -> None:
+        self._body = body
+        self._rec = rec
+        self._write = write
+        self._done = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._body:
+            # Moto hands over a whole range as one bytes object. In pieces, each counted once
+            # werkzeug's write (a blocking sendall) has returned and asked for the next, so a
+            # client that goes away mid-body is counted to within a piece, not as all of it.
+            for at in range(0, len(chunk), _PIECE):
+                piece = chunk[at : at + _PIECE] if len(chunk) > _PIECE else chunk
+                yield piece
+                self._rec["sent"] += len(piece)
+        self._rec["complete"] = True
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._rec["ended"] = time.time()
+            self._write(self._rec)
+
+
+def _orphan_watch(parent: int) -> None:
+    """Exit once the test process is gone (killed before it could stop us): no stray server."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _serve(log_path: Path, port_file: Path, parent: int | None) -> None:
+    """Bind 127.0.0.1:0, report the port (atomically), serve until killed."""
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
+
+    app = _Recorder(DomainDispatcherApplication(create_backend_app), log_path)
+    server = make_server(HOST, 0, app, threaded=True, request_handler=MotoRequestHandler)
+    if parent is not None:
+        threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
+    tmp = port_file.with_suffix(".tmp")
+    tmp.write_text(str(server.server_port))
+    tmp.replace(port_file)
+    server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--port-file", type=Path, required=True)
+    parser.add_argument("--parent", type=int, default=None)
+    args = parser.parse_args(argv)
+    _serve(args.log, args.port_file, args.parent)
+
+
+if __name__ == "__main__":
+    main()
