@@ -450,6 +450,21 @@ def draft_tensors(model_dir: Path, draft: Any, replaced: bool = False) -> dict[s
     }
 
 
+#: A Qwen3.5 MTP draft's tensors vLLM replaces with the target's (never read, never held).
+QWEN35_REPLACED = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
+
+
+def assert_qwen35_draft_is_the_checkpoints(model_dir: Path, draft: Any) -> None:
+    """Every parameter of a loaded Qwen3.5 MTP draft equals its ``mtp.*`` tensor."""
+    import torch
+
+    ckpt = checkpoint_tensors(model_dir)
+    for name, param in draft.named_parameters():
+        source = "mtp." + name.removeprefix("model.")
+        if source in ckpt:
+            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+
+
 def checkpoint_tensors(model_dir: Path) -> dict[str, Any]:
     """Every tensor of a checkpoint, read with safetensors (the reference values)."""
     from safetensors.torch import load_file

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from conftest import (
+    QWEN35_REPLACED,
     Events,
     Recorder,
-    checkpoint_tensors,
+    assert_qwen35_draft_is_the_checkpoints,
     engine_config,
     load_target_and_draft,
     rule_keeps,
@@ -25,7 +26,7 @@ from hybrid_draft.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.vllm
 
-REPLACED = {"model.embed_tokens.weight", "lm_head.weight"}
+REPLACED = QWEN35_REPLACED
 
 
 def _fastsafetensors_read(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -120,11 +121,7 @@ def test_fastsafetensors_target_draft_reads_only_its_own_tensors(
     assert draft_load["sources"]["replaced_by_target"]["tensors"] == len(REPLACED)
     assert loaded.draft.lm_head is loaded.target.lm_head
 
-    ckpt = checkpoint_tensors(qwen35)
-    for name, param in loaded.draft.named_parameters():
-        source = "mtp." + name.removeprefix("model.")
-        if source in ckpt:
-            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+    assert_qwen35_draft_is_the_checkpoints(qwen35, loaded.draft)
 
 
 def test_keep_formats_leaves_a_fastsafetensors_draft_untouched(
@@ -210,11 +207,7 @@ def test_runai_target_draft_streams_only_its_own_tensors(
         "bytes": sum(sizes[n] for n in own),
     }
     assert loaded.draft.lm_head is loaded.target.lm_head
-    ckpt = checkpoint_tensors(qwen35)
-    for name, param in loaded.draft.named_parameters():
-        source = "mtp." + name.removeprefix("model.")
-        if source in ckpt:
-            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+    assert_qwen35_draft_is_the_checkpoints(qwen35, loaded.draft)
 
 
 def test_runai_target_one_pass_the_draft_reads_nothing(
@@ -249,11 +242,7 @@ def test_runai_target_one_pass_the_draft_reads_nothing(
         "bytes": sum(sizes[n] for n in own),
     }
     assert draft_load["shards"] == 0
-    ckpt = checkpoint_tensors(qwen35)
-    for name, param in loaded.draft.named_parameters():
-        source = "mtp." + name.removeprefix("model.")
-        if source in ckpt:
-            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+    assert_qwen35_draft_is_the_checkpoints(qwen35, loaded.draft)
 
 
 def test_fastsafetensors_target_one_pass_the_draft_reads_nothing(
@@ -282,11 +271,7 @@ def test_fastsafetensors_target_one_pass_the_draft_reads_nothing(
     }
     assert draft_load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
     assert draft_load["one_pass"]["peak_bytes"] == sum(sizes[n] for n in own)
-    ckpt = checkpoint_tensors(qwen35)
-    for name, param in loaded.draft.named_parameters():
-        source = "mtp." + name.removeprefix("model.")
-        if source in ckpt:
-            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+    assert_qwen35_draft_is_the_checkpoints(qwen35, loaded.draft)
 
 
 @pytest.mark.parametrize("fmt", ["fastsafetensors", "runai_streamer"])

@@ -19,15 +19,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from conftest import Events, checkpoint_tensors, engine_config, rule_keeps
+from conftest import (
+    QWEN35_REPLACED,
+    Events,
+    assert_qwen35_draft_is_the_checkpoints,
+    engine_config,
+    rule_keeps,
+)
 from hybrid_draft.checkpoint import read_checkpoint
 from s3server import S3Server
 
 pytestmark = pytest.mark.vllm
 
-REPLACED = {"model.embed_tokens.weight", "lm_head.weight"}
+REPLACED = QWEN35_REPLACED
 BUCKET = "models"
 
 
@@ -137,11 +142,7 @@ def test_the_draft_of_an_s3_target_transfers_only_its_tensors_and_headers(
     assert draft_load["sources"]["replaced_by_target"]["tensors"] == len(REPLACED)
     assert (draft_load["shards"], draft_load["checkpoint_shards"]) == (1, len(shards))
     assert draft_load["checkpoint_bytes"] == sum(every_shard.values())
-    ckpt = checkpoint_tensors(qwen35)
-    for name, param in draft.named_parameters():
-        source = "mtp." + name.removeprefix("model.")
-        if source in ckpt:
-            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+    assert_qwen35_draft_is_the_checkpoints(qwen35, draft)
     assert draft.lm_head is target.lm_head
 
     # report: the draft against a second full pass counts what crossed the network.
@@ -182,11 +183,7 @@ def test_in_a_load_scope_the_draft_of_an_s3_target_transfers_nothing(
     }
     assert draft_load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
     assert draft_load["network_bytes"] is None
-    ckpt = checkpoint_tensors(qwen35)
-    for name, param in draft.named_parameters():
-        source = "mtp." + name.removeprefix("model.")
-        if source in ckpt:
-            assert torch.equal(param.detach(), ckpt[source].to(param.dtype)), name
+    assert_qwen35_draft_is_the_checkpoints(qwen35, draft)
 
 
 def _plan(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
