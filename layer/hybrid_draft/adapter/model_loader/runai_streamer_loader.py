@@ -12,7 +12,8 @@ from hybrid_draft.adapter.readers import Weights
 
 
 class FilteredRunaiStreamerLoader(PlannedDraftLoader):
-    """Run:ai's streamer reading only the draft's planned tensors (a local checkpoint)."""
+    """Run:ai's streamer reading only the draft's planned tensors, from local files or
+    object storage."""
 
     load_format = RUNAI_FILTERED
 

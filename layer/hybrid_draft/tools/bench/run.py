@@ -29,7 +29,30 @@ from hybrid_draft.tools.bench import pagecache
 GIB = 1 << 30
 LAYOUT_VERSION = 3
 DRAFT_NAMES = "bench-draft-tensors.json"
-NEEDS_VLLM = ("lazy", "lazy_pruned", "auto", "selective", "one_pass")
+NEEDS_VLLM = (
+    "lazy",
+    "lazy_pruned",
+    "auto",
+    "selective",
+    "one_pass",
+    "fastsafetensors_filtered",
+    "fastsafetensors_one_pass",
+    "runai_stock",
+    "runai_filtered",
+    "runai_one_pass",
+    "runai_s3_stock",
+    "runai_s3_filtered",
+    "runai_s3_one_pass",
+)
+#: The library each target format's strategies read with (its strategies are skipped,
+#: saying so, where it is not installed).
+NEEDS_MODULE = {
+    "fastsafetensors_": "fastsafetensors",
+    "runai_": "runai_model_streamer",
+    "runai_s3_": "runai_model_streamer_s3",
+}
+#: The bucket the checkpoint is uploaded to with --s3-endpoint.
+S3_BUCKET = "hybrid-draft-bench"
 
 
 #: The largest checkpoint bench writes (GiB): a bound on a typo, not on the storage.
@@ -62,6 +85,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated subset (default: every CPU strategy, and the GPU "
         "ones when CUDA is present)",
+    )
+    p.add_argument(
+        "--s3-endpoint",
+        default=None,
+        metavar="URL",
+        help="an S3-compatible endpoint: the checkpoint is uploaded there once and the Run:ai "
+        "strategies also run against it (runai_s3_*); credentials from the environment "
+        "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...)",
+    )
+    p.add_argument(
+        "--s3-bucket",
+        default=S3_BUCKET,
+        help=f"the bucket for --s3-endpoint (default {S3_BUCKET}; created if missing)",
     )
     p.add_argument(
         "--startup-runs",
@@ -256,7 +292,11 @@ def draft_plan(directory: Path) -> dict[str, Any]:
 # --- running and reporting ---------------------------------------------------------------
 
 
-def run_strategy(name: str, shared: dict[str, Any], runs: int) -> dict[str, Any]:
+def run_strategy(
+    name: str, shared: dict[str, Any], runs: int, s3: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Run one strategy in a worker process; ``s3`` (``{"uri", "files"}``: the checkpoint's
+    address and each shard's) for those that read it from object storage."""
     with tempfile.TemporaryDirectory() as tmp:
         spec = {
             **shared,
@@ -264,6 +304,7 @@ def run_strategy(name: str, shared: dict[str, Any], runs: int) -> dict[str, Any]
             "runs": runs,
             "device": "cuda:0",
             "result_file": os.path.join(tmp, "result.json"),
+            **({"s3": s3} if s3 is not None else {}),
         }
         spec_file = os.path.join(tmp, "spec.json")
         Path(spec_file).write_text(json.dumps(spec))
@@ -292,7 +333,10 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         **({"ran": raw["ran"]} if "ran" in raw else {}),
         "rss_before": raw["rss_before"],
         "cold": all(raw["cold"]),
-        "gb_per_s": raw["bytes_read"][i] / median / 1e9 if median > 0 else 0.0,
+        # from storage; for a strategy against object storage, over the wire
+        "gb_per_s": raw.get("network_bytes", raw["bytes_read"])[i] / median / 1e9
+        if median > 0
+        else 0.0,
         "warmup_seconds": raw.get("warmup_seconds"),
     }
     if "target_seconds" in raw:  # one pass: the target's pass and the draft's load apart
@@ -310,7 +354,26 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         )
     if raw.get("peak_device_bytes"):
         out["peak_device_bytes"] = max(raw["peak_device_bytes"])
+    for key in _NETWORK_KEYS:  # object storage: what crossed the wire, per run
+        if key in raw:
+            out[key] = raw[key]
     return out
+
+
+#: The per-run figures of the strategies against object storage: the draft's load (and,
+#: for one pass, the target's tapped pass) as the socket reads counted it (``rchar``) and as
+#: the product counted it (tensor bytes; None where the product's path did not run).
+_NETWORK_KEYS = (
+    "network_bytes",
+    "product_network_bytes",
+    "target_network_bytes",
+    "target_product_network_bytes",
+)
+
+
+def _median_run(s: dict[str, Any]) -> int:
+    seconds = s["seconds"]
+    return min(range(len(seconds)), key=lambda k: abs(seconds[k] - s["median_seconds"]))
 
 
 def _ratios(strategies: dict[str, dict[str, Any]], reference: str, base: str) -> None:
@@ -342,21 +405,28 @@ def table(result: dict[str, Any], key: str = "strategies") -> str:
             "full /",
         )
     ]
+    network = any("network_bytes" in s for s in result[key].values())
+    if network:
+        columns.insert(5, ("network", "right"))
     rows = []
     for name, s in result[key].items():
-        rows.append(
-            [
-                name,
-                f"{s['median_seconds']:.3f}",
-                f"{s['min_seconds']:.3f}-{s['max_seconds']:.3f}",
-                f"{s['gb_per_s']:.2f}",
-                _fmt_bytes(s["bytes_read"]),
-                _fmt_bytes(s["resident_bytes"]),
-                _fmt_bytes(s["peak_rss"]),
-                f"{s['vs_limit']:.2f}x" if s.get("vs_limit") else "-",
-                f"{s['full_pass_speedup']:.1f}x" if s.get("full_pass_speedup") else "-",
-            ]
-        )
+        row = [
+            name,
+            f"{s['median_seconds']:.3f}",
+            f"{s['min_seconds']:.3f}-{s['max_seconds']:.3f}",
+            f"{s['gb_per_s']:.2f}",
+            _fmt_bytes(s["bytes_read"]),
+            _fmt_bytes(s["resident_bytes"]),
+            _fmt_bytes(s["peak_rss"]),
+            f"{s['vs_limit']:.2f}x" if s.get("vs_limit") else "-",
+            f"{s['full_pass_speedup']:.1f}x" if s.get("full_pass_speedup") else "-",
+        ]
+        if network:
+            row.insert(
+                5,
+                _fmt_bytes(s["network_bytes"][_median_run(s)]) if "network_bytes" in s else "-",
+            )
+        rows.append(row)
     notes = [
         f"({name} ran {s['ran']})"
         for name, s in result[key].items()
@@ -366,7 +436,25 @@ def table(result: dict[str, Any], key: str = "strategies") -> str:
 
 
 #: The load format each product strategy runs when nothing falls back.
-_PRODUCT_FORMATS = {"auto": "safetensors_filtered", "selective": "instanttensor_selective"}
+_PRODUCT_FORMATS = {
+    "auto": "safetensors_filtered",
+    "selective": "instanttensor_selective",
+    "fastsafetensors_filtered": "fastsafetensors_filtered",
+    "runai_filtered": "runai_streamer_filtered",
+    "runai_s3_filtered": "runai_streamer_filtered",
+}
+
+
+def _colour(name: str) -> str:
+    """Grey for the full pass, light blue for stock vLLM's paths, orange against object
+    storage, blue for the rest (the product's paths and the floor)."""
+    if name in ("full_pass", "it_full"):
+        return "#b0b0b0"
+    if name.startswith("runai_s3_"):
+        return "#e08a3b"
+    if name in ("lazy", "lazy_pruned") or name.endswith("_stock"):
+        return "#9cbce8"
+    return "#3b7dd8"
 
 
 def chart(result: dict[str, Any], path: Path) -> bool:
@@ -380,7 +468,14 @@ def chart(result: dict[str, Any], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     groups = [k for k in ("strategies", "gpu_strategies") if result.get(k)]
-    fig, axes = plt.subplots(1, len(groups), figsize=(7 * len(groups), 4.2), squeeze=False)
+    widths = [max(7.0, 0.8 * len(result[k]) + 2) for k in groups]
+    fig, axes = plt.subplots(
+        1,
+        len(groups),
+        figsize=(sum(widths), 5.2),
+        squeeze=False,
+        gridspec_kw={"width_ratios": widths},
+    )
     ck = result["checkpoint"]
     for ax, key in zip(axes[0], groups, strict=True):
         names = list(result[key])
@@ -392,18 +487,26 @@ def chart(result: dict[str, Any], path: Path) -> bool:
             med,
             yerr=[lo, hi],
             capsize=4,
-            color=["#b0b0b0" if n in ("full_pass", "it_full") else "#3b7dd8" for n in names],
+            color=[_colour(n) for n in names],
         )
         for bar, n in zip(bars, names, strict=True):
             s = result[key][n]
+            moved = (
+                f"{_fmt_bytes(s['network_bytes'][_median_run(s)])} net"
+                if "network_bytes" in s
+                else _fmt_bytes(s["bytes_read"])
+            )
             ax.annotate(
-                f"{_fmt_bytes(s['bytes_read'])}\n{s['gb_per_s']:.2f} GB/s",
+                f"{moved}\n{s['gb_per_s']:.2f} GB/s",
                 (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                 ha="center",
                 va="bottom",
                 fontsize=8,
             )
         ax.set_ylabel("seconds (median of cold runs; bars: min-max)")
+        ax.tick_params(axis="x", labelrotation=40, labelsize=8)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
         ax.set_title(
             f"{'GPU' if key == 'gpu_strategies' else 'CPU'} draft load, "
             f"{_fmt_bytes(ck['bytes'])} checkpoint, draft {_fmt_bytes(ck['draft_bytes'])}",
@@ -450,26 +553,72 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
 
+def _with_s3(chosen: list[str], s3: bool) -> list[str]:
+    """``chosen`` with, under ``--s3-endpoint``, each Run:ai strategy's object-storage
+    variant after the last local one (``runai_stock`` -> ``runai_s3_stock``...)."""
+    from hybrid_draft.tools.bench.strategies import S3_STRATEGIES
+
+    if not s3:
+        return chosen
+    extra = [
+        v for v in S3_STRATEGIES if v.replace("runai_s3_", "runai_") in chosen and v not in chosen
+    ]
+    last = max((i for i, n in enumerate(chosen) if n.startswith("runai_")), default=len(chosen) - 1)
+    return chosen[: last + 1] + extra + chosen[last + 1 :]
+
+
+def _missing_module(name: str) -> str | None:
+    import importlib.util
+
+    needed = [m for prefix, m in NEEDS_MODULE.items() if name.startswith(prefix)]
+    return next((m for m in needed if importlib.util.find_spec(m) is None), None)
+
+
 def _main(args: argparse.Namespace) -> int:
+    from hybrid_draft.tools.bench import s3 as objectstore
     from hybrid_draft.tools.bench import startup
-    from hybrid_draft.tools.bench.strategies import CPU_STRATEGIES, GPU_STRATEGIES
+    from hybrid_draft.tools.bench.strategies import (
+        CPU_STRATEGIES,
+        GPU_STRATEGIES,
+        S3_STRATEGIES,
+    )
 
     # vLLM's import would start background kernel builds in this process and in every
     # worker, beside the timed runs (pagecache.settle); the workers inherit this.
     os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
 
+    accepted = CPU_STRATEGIES + S3_STRATEGIES + GPU_STRATEGIES
     if args.strategies is not None:
         chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]
-        unknown = sorted(set(chosen) - set(CPU_STRATEGIES) - set(GPU_STRATEGIES))
+        unknown = sorted(set(chosen) - set(accepted))
         if unknown or not chosen:
             raise BenchError(
                 f"--strategies {args.strategies!r}: "
                 + (f"unknown {', '.join(map(repr, unknown))}; " if unknown else "names none; ")
-                + f"accepted: {', '.join(CPU_STRATEGIES + GPU_STRATEGIES)}"
+                + f"accepted: {', '.join(accepted)}"
             )
+        on_s3 = [n for n in chosen if n in S3_STRATEGIES]
+        if on_s3 and args.s3_endpoint is None:
+            raise BenchError(
+                f"--strategies {args.strategies!r}: {', '.join(on_s3)} read from object "
+                "storage: name its endpoint with --s3-endpoint URL"
+            )
+    try:
+        endpoint = objectstore.check_endpoint(args.s3_endpoint) if args.s3_endpoint else None
+    except objectstore.S3Error as exc:
+        raise BenchError(str(exc)) from None
     gpu = startup.cuda_available()
     if args.strategies is None:
         chosen = [*CPU_STRATEGIES, *(GPU_STRATEGIES if gpu else ())]
+    chosen = _with_s3(chosen, endpoint is not None)
+    bucket = None
+    if endpoint is not None and not any(n in S3_STRATEGIES for n in chosen):
+        print("--s3-endpoint: no runai_* strategy chosen, so none runs against it", flush=True)
+    if endpoint is not None and any(n in S3_STRATEGIES for n in chosen):
+        try:  # reached (a bounded wait) before anything is written or run
+            bucket = objectstore.Bucket(endpoint, args.s3_bucket)
+        except objectstore.S3Error as exc:
+            raise BenchError(str(exc)) from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     directory = Path(args.checkpoint or out / f"checkpoint-{args.size:g}GiB")
@@ -485,6 +634,29 @@ def _main(args: argparse.Namespace) -> int:
         if skipped:
             print(f"vLLM is not installed here: skipping {', '.join(skipped)}", flush=True)
         chosen = [s for s in chosen if s not in NEEDS_VLLM]
+    missing: dict[str, list[str]] = {}
+    for name in chosen:
+        module = _missing_module(name)
+        if module is not None:
+            missing.setdefault(module, []).append(name)
+    for module, names in missing.items():
+        print(f"{module} is not installed here: skipping {', '.join(names)}", flush=True)
+        chosen = [s for s in chosen if s not in names]
+    s3_spec: dict[str, Any] | None = None
+    s3_info: dict[str, Any] | None = None
+    if bucket is not None and endpoint is not None and any(n in S3_STRATEGIES for n in chosen):
+        stamp = json.loads((directory / "bench-layout.json").read_text())
+        prefix = f"checkpoint-{stamp['size_gib']:g}GiB-v{stamp['version']}"
+        print(f"uploading the checkpoint to s3://{args.s3_bucket}/{prefix} ...", flush=True)
+        try:
+            s3_info = bucket.upload(prefix, directory)
+        except objectstore.S3Error as exc:
+            raise BenchError(str(exc)) from None
+        s3_spec = {
+            "uri": s3_info["uri"],
+            "files": {f: f"{s3_info['uri']}/{Path(f).name}" for f in shared["files_all"]},
+        }
+        os.environ.update(objectstore.client_environment(endpoint))  # the workers'
     result: dict[str, Any] = {
         "checkpoint": shared["checkpoint"],
         "draft_class": shared["draft_class"],
@@ -499,10 +671,13 @@ def _main(args: argparse.Namespace) -> int:
         "strategies": {},
         "gpu_strategies": {},
     }
+    if s3_info is not None:
+        result["s3"] = s3_info
     for name in chosen:
         key = "gpu_strategies" if name in GPU_STRATEGIES else "strategies"
         print(f"running {name} ({args.runs} cold runs) ...", flush=True)
-        result[key][name] = summarize(run_strategy(name, shared, args.runs))
+        s3 = s3_spec if name in S3_STRATEGIES else None
+        result[key][name] = summarize(run_strategy(name, shared, args.runs, s3))
     _ratios(result["strategies"], "limit", "full_pass")
     _ratios(result["gpu_strategies"], "it_selective", "it_full")
     if not result["gpu_strategies"]:
@@ -538,6 +713,24 @@ def print_report(result: dict[str, Any]) -> None:
     if result.get("gpu_strategies"):
         print("\nGPU (CUDA), cold page cache:")
         print(table(result, "gpu_strategies"))
+    for name, s in (result.get("strategies") or {}).items():
+        if "network_bytes" in s:
+            i = _median_run(s)
+            product = s["product_network_bytes"][i]
+            print(
+                f"{name}: the draft's load received {_fmt_bytes(s['network_bytes'][i])} "
+                "over the wire (socket reads, rchar; median run), "
+                + (
+                    "stock vLLM's path: no count of the product's"
+                    if name.endswith("_stock")
+                    else f"{_fmt_bytes(product or 0)} of tensors by the product's count"
+                )
+                + (
+                    f"; the target's pass {_fmt_bytes(s['target_network_bytes'][0])}"
+                    if s.get("target_network_bytes")
+                    else ""
+                )
+            )
     for key in ("strategies", "gpu_strategies"):
         for name, s in (result.get(key) or {}).items():
             if "tap_overhead" in s:

@@ -20,6 +20,18 @@ merged: the storage's floor) and ``one_pass`` (the target's pass through vLLM's
 load from them by the product's loader; vLLM's InstantTensor iterator, which needs CUDA, is
 stood in for by a reader that streams each shard whole and yields copies, as InstantTensor
 does with ``copy=True``; each run also times the same target pass untapped).
+For the other target formats: ``fastsafetensors_stock`` (every tensor of the rule-pruned
+shards, read whole by fastsafetensors' ``ParallelLoader`` as vLLM's
+``fastsafetensors_weights_iterator`` drives it, onto the CPU with ``nogds=True``: vLLM's
+iterator needs CUDA), ``fastsafetensors_filtered`` (the product's ``fastsafetensors_filtered``
+loader), ``fastsafetensors_one_pass`` (the target's fastsafetensors pass, the same stand-in,
+through ``DefaultModelLoader`` with the tap, then the draft from the hold), ``runai_stock``
+(vLLM's real ``runai_safetensors_weights_iterator`` over the rule-pruned shards),
+``runai_filtered`` (the product's ``runai_streamer_filtered`` loader) and ``runai_one_pass``
+(the target's pass through vLLM's real ``RunaiModelStreamerLoader`` with the tap, then the
+draft from the hold); and, against object storage (``spec["s3"]``), ``runai_s3_stock``,
+``runai_s3_filtered`` and ``runai_s3_one_pass``, the same three over the shards' ``s3://``
+addresses, each run's bytes over the wire counted (``rchar``, and the product's own figure).
 GPU strategies (CUDA only): ``it_full`` and ``it_selective`` (InstantTensor without and
 with ``tensor_filter``), ``lazy_to_gpu`` (lazy safetensors, then a copy to the device) and
 ``it_one_pass`` (InstantTensor's full pass keeping the draft's tensors on the device, then
@@ -38,7 +50,24 @@ from typing import Any
 from hybrid_draft.tools.bench import pagecache
 
 CHUNK = 64 << 20
-CPU_STRATEGIES = ("full_pass", "lazy", "lazy_pruned", "auto", "selective", "limit", "one_pass")
+CPU_STRATEGIES = (
+    "full_pass",
+    "lazy",
+    "lazy_pruned",
+    "auto",
+    "selective",
+    "limit",
+    "one_pass",
+    "fastsafetensors_stock",
+    "fastsafetensors_filtered",
+    "fastsafetensors_one_pass",
+    "runai_stock",
+    "runai_filtered",
+    "runai_one_pass",
+)
+#: The Run:ai strategies against object storage (``--s3-endpoint``): each the ``runai_*``
+#: strategy of the same suffix, over the shards' ``s3://`` addresses.
+S3_STRATEGIES = ("runai_s3_stock", "runai_s3_filtered", "runai_s3_one_pass")
 GPU_STRATEGIES = ("it_full", "it_selective", "lazy_to_gpu", "it_one_pass")
 TORCH_DTYPES = {
     "BF16": "bfloat16",
@@ -107,10 +136,13 @@ def _plan(spec: dict[str, Any]) -> Any:
     return draftinfo.for_model_dir(spec["model_dir"])
 
 
-def _draft_reader(plan: Any, load_format: str, device: str, held: Any = None) -> Callable[[], Any]:
+def _draft_reader(
+    plan: Any, load_format: str, device: str, held: Any = None, address: str | None = None
+) -> Callable[[], Any]:
     """One of hybrid-draft's registered draft loaders, driven as vLLM drives it for the
     draft: ``get_all_weights`` with the plan's read (the replaced tensors skipped, as its
-    ``load_weights`` decides for DeepSeekMTP) and, for one pass, the hold."""
+    ``load_weights`` decides for DeepSeekMTP) and, for one pass, the hold; ``address`` the
+    model's (default: the plan's first shard's directory)."""
     from types import SimpleNamespace
 
     from vllm.config.load import LoadConfig
@@ -123,7 +155,9 @@ def _draft_reader(plan: Any, load_format: str, device: str, held: Any = None) ->
         LoadConfig(load_format=load_format, device=device, use_tqdm_on_load=False)
     )
     model = SimpleNamespace(is_unused_checkpoint_weight=plan.is_unused)
-    model_config = SimpleNamespace(model=str(plan.shards[0].path.parent), revision=None)
+    model_config = SimpleNamespace(
+        model=address or str(plan.shards[0].path.parent), revision=None, model_weights=""
+    )
 
     def weights() -> Any:
         read = loaders.DraftRead(plan=plan, sink=sink, hold=held() if callable(held) else held)
@@ -135,8 +169,28 @@ def _draft_reader(plan: Any, load_format: str, device: str, held: Any = None) ->
     return weights
 
 
-def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
-    """The product's draft load, every tensor copied into the draft's buffers."""
+def _s3_plan(spec: dict[str, Any]) -> Any:
+    """The draft's plan over the shards' ``s3://`` addresses: the local plan's draft class
+    and rules, each shard's header read from object storage by the product's ranged
+    requests (``objectstore``), as a served load of an ``s3://`` checkpoint plans it."""
+    import dataclasses
+
+    from hybrid_draft.adapter import objectstore
+
+    local = _plan(spec)
+    where = spec["s3"]["files"]
+    shards = objectstore.read_shards([where[str(s.path)] for s in local.shards])
+    return dataclasses.replace(local, shards=tuple(shards))
+
+
+#: The product's loaders that read onto the CPU in a CPU strategy (the selective one reads
+#: onto the spec's CUDA device).
+_CPU_LOADERS = ("safetensors_filtered", "fastsafetensors_filtered", "runai_streamer_filtered")
+
+
+def _product(load_format: str, s3: bool = False) -> Callable[[dict[str, Any]], Callable[[], None]]:
+    """The product's draft load, every tensor copied into the draft's buffers; with ``s3``,
+    the draft of the checkpoint's ``s3://`` copy."""
 
     def make(spec: dict[str, Any]) -> Callable[[], None]:
         from hybrid_draft.adapter import loaders, selective
@@ -148,9 +202,12 @@ def _product(load_format: str) -> Callable[[dict[str, Any]], Callable[[], None]]
             spec["ran"] = load_format
             fmt, device = (
                 load_format,
-                ("cpu" if load_format == loaders.FILTERED else spec["device"]),
+                ("cpu" if load_format in _CPU_LOADERS else spec["device"]),
             )
-        weights = _draft_reader(_plan(spec), fmt, device)
+        if s3:
+            weights = _draft_reader(_s3_plan(spec), fmt, device, address=spec["s3"]["uri"])
+        else:
+            weights = _draft_reader(_plan(spec), fmt, device)
         buffers = _buffers(spec, device, {r[3] for r in spec["tensor_ranges"]})
 
         def run() -> None:
@@ -199,9 +256,79 @@ def stream_whole_shards(files: list[str], *_args: Any, **_kwargs: Any) -> Any:
             yield name, tensor.view(meta["shape"]).clone()
 
 
-def served_configs(model_dir: str) -> Any:
-    """The real vLLM configs of serving ``model_dir`` with InstantTensor and its MTP draft,
-    in a one-process world (as a served load has): what the one-pass strategy decides by."""
+def fastsafetensors_whole_shards(files: list[str], *_args: Any, **_kwargs: Any) -> Any:
+    """Stands in for vLLM's ``fastsafetensors_weights_iterator`` (its device is CUDA's) on
+    the CPU: fastsafetensors' ``ParallelLoader`` as that iterator drives it (a one-process
+    group, the shards in order, each read whole, vLLM's queue size), onto ``"cpu"`` with
+    ``nogds=True`` (vLLM's own fallback where GDS is unavailable). Each tensor is yielded as
+    a copy of its own, as ``ParallelLoader`` makes them in a one-process group."""
+    from fastsafetensors.common import SingleGroup
+    from fastsafetensors.parallel_loader import ParallelLoader
+
+    loader = ParallelLoader(
+        pg=SingleGroup(),
+        hf_weights_files=sorted(files),
+        queue_size=int(os.environ.get("VLLM_FASTSAFETENSORS_QUEUE_SIZE", "0")),
+        use_tqdm_on_load=False,
+        device="cpu",
+        nogds=True,
+    )
+    weights = loader.iterate_weights()
+    try:
+        yield from weights
+    finally:
+        weights.close()  # its buffers first (fastsafetensors' order), then the loader
+        loader.close()
+
+
+def _s3_files(spec: dict[str, Any], files_key: str) -> list[str]:
+    where = spec["s3"]["files"]
+    return [where[path] for path in spec[files_key]]
+
+
+def fastsafetensors_stock(spec: dict[str, Any]) -> Callable[[], None]:
+    """What stock vLLM's draft load reads with ``--load-format fastsafetensors``: every tensor
+    of the shards its own filter keeps for the draft, read whole by fastsafetensors (the
+    stand-in above), the draft's tensors copied into its buffers (``load_weights`` drops the
+    rest)."""
+    spec["ran"] = "fastsafetensors ParallelLoader (cpu, nogds: vLLM's iterator stood in)"
+    buffers = _buffers(spec)
+
+    def run() -> None:
+        for name, tensor in fastsafetensors_whole_shards(spec["files_pruned"]):
+            target = buffers.get(name)
+            if target is not None:
+                target.copy_(tensor)
+
+    return run
+
+
+def _runai_stock(s3: bool) -> Callable[[dict[str, Any]], Callable[[], None]]:
+    def make(spec: dict[str, Any]) -> Callable[[], None]:
+        """vLLM's real Run:ai iterator over the shards its filter keeps for the draft (their
+        ``s3://`` addresses with ``s3``), the draft's tensors copied into its buffers."""
+        from vllm.model_executor.model_loader.weight_utils import (
+            runai_safetensors_weights_iterator,
+        )
+
+        files = _s3_files(spec, "files_pruned") if s3 else list(spec["files_pruned"])
+        buffers = _buffers(spec)
+
+        def run() -> None:
+            for name, tensor in runai_safetensors_weights_iterator(files, False):
+                target = buffers.get(name)
+                if target is not None:
+                    target.copy_(tensor)
+
+        return run
+
+    return make
+
+
+def served_configs(model_dir: str, load_format: str = "instanttensor") -> Any:
+    """The real vLLM configs of serving ``model_dir`` (a directory or an ``s3://`` address)
+    with ``load_format`` and its MTP draft, in a one-process world (as a served load has):
+    what the one-pass strategies decide by."""
     import tempfile
 
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -214,7 +341,7 @@ def served_configs(model_dir: str) -> Any:
 
     config = EngineArgs(
         model=model_dir,
-        load_format="instanttensor",
+        load_format=load_format,
         speculative_config={"method": "mtp", "num_speculative_tokens": 1},
         skip_tokenizer_init=True,
         max_model_len=128,
@@ -222,8 +349,13 @@ def served_configs(model_dir: str) -> Any:
         dtype="float32",
     ).create_engine_config()
     if parallel_state._WORLD is None:
+        import atexit
+        import shutil
+
+        rendezvous = tempfile.mkdtemp(prefix="hybrid-draft-bench-")
+        atexit.register(shutil.rmtree, rendezvous, True)  # gone with the worker
         with set_current_vllm_config(VllmConfig()):
-            init = f"file://{tempfile.mkdtemp(prefix='hybrid-draft-bench-')}/dist-init"
+            init = f"file://{rendezvous}/dist-init"
             init_distributed_environment(1, 0, init, 0, "gloo")
             ensure_model_parallel_initialized(1, 1)
     return config
@@ -251,43 +383,78 @@ def held_names(model_dir: str) -> frozenset[str]:
         return tap.wanted if tap is not None else frozenset()
 
 
+#: The one-pass strategies: the target's load format, the product's loader its draft is
+#: switched to, and whether the checkpoint is read from its ``s3://`` copy.
+ONE_PASS = {
+    "one_pass": ("instanttensor", "safetensors_filtered", False),
+    "fastsafetensors_one_pass": ("fastsafetensors", "fastsafetensors_filtered", False),
+    "runai_one_pass": ("runai_streamer", "runai_streamer_filtered", False),
+    "runai_s3_one_pass": ("runai_streamer", "runai_streamer_filtered", True),
+}
+
+
+def _target_loader(load_format: str) -> Any:
+    """The target's loader as vLLM picks it for ``load_format``, reading onto the CPU: its
+    ``DefaultModelLoader`` (InstantTensor's and fastsafetensors' iterators, which need
+    CUDA, stood in for) or its real ``RunaiModelStreamerLoader``."""
+    from vllm.config.load import LoadConfig
+
+    config = LoadConfig(load_format=load_format, device="cpu", use_tqdm_on_load=False)
+    if load_format == "runai_streamer":
+        from vllm.model_executor.model_loader.runai_streamer_loader import (
+            RunaiModelStreamerLoader,
+        )
+
+        return RunaiModelStreamerLoader(config)
+    import vllm.model_executor.model_loader.default_loader as default_loader
+
+    # The one stand-in: vLLM's InstantTensor or fastsafetensors read, which needs CUDA.
+    if load_format == "instanttensor":
+        setattr(default_loader, "instanttensor_weights_iterator", stream_whole_shards)  # noqa: B010
+    else:
+        setattr(  # noqa: B010
+            default_loader, "fastsafetensors_weights_iterator", fastsafetensors_whole_shards
+        )
+    return default_loader.DefaultModelLoader(config)
+
+
 def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
     """The target's pass with the product's tap, then the draft's load from the hold; and
     the same target pass untapped, alternating, every run cold. The tap (what it holds,
     its budget with the free-memory cap, the expert filter) is decided by production's
-    code on the real vLLM configs of serving this checkpoint."""
+    code on the real vLLM configs of serving this checkpoint with the target's format."""
     from types import SimpleNamespace
 
-    import vllm.model_executor.model_loader.default_loader as default_loader
     from vllm.config import set_current_vllm_config
-    from vllm.config.load import LoadConfig
 
-    from hybrid_draft.adapter import hold, loaders, stats
+    from hybrid_draft.adapter import hold, stats
 
-    plan = _plan(spec)
-    # The one stand-in: vLLM's InstantTensor read, which needs CUDA.
-    setattr(default_loader, "instanttensor_weights_iterator", stream_whole_shards)  # noqa: B010
-    config = served_configs(spec["model_dir"])
-    target = default_loader.DefaultModelLoader(
-        LoadConfig(load_format="instanttensor", device="cpu", use_tqdm_on_load=False)
-    )
+    target_format, draft_format, s3 = ONE_PASS[spec["strategy"]]
+    plan = _s3_plan(spec) if s3 else _plan(spec)
+    model = spec["s3"]["uri"] if s3 else spec["model_dir"]
+    target = _target_loader(target_format)
+    config = served_configs(model, target_format)
     target_model: Any = SimpleNamespace()  # the target reads every tensor
-    model_config: Any = SimpleNamespace(model=spec["model_dir"], revision=None)
+    model_config: Any = SimpleNamespace(model=model, revision=None, model_weights="")
     own = [t for t in plan.kept if t.name not in plan.replaced]
     current: list[Any] = [None]
-    draft = _draft_reader(plan, loaders.FILTERED, "cpu", held=lambda: current[0])
+    draft = _draft_reader(plan, draft_format, "cpu", held=lambda: current[0], address=model)
     buffers = _buffers(spec, "cpu", {t.name for t in own})
     files = spec["files_all"]
 
-    def target_pass(decided: Any) -> float:
+    def target_pass(decided: Any, figures: dict[str, list[Any]] | None = None) -> float:
         """One target pass, tapped when ``decided`` (its load) holds for the draft, as a
-        served load's run taps it."""
-        start = time.perf_counter()
+        served load's run taps it; with ``figures``, its bytes over the wire added."""
+        chars, start = pagecache.read_chars(), time.perf_counter()
         with stats.measuring() as cost:
             cost.observe = decided.tap.offer if decided is not None else None
             for _ in target.get_all_weights(model_config, target_model):
                 pass
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if figures is not None:
+            figures["target_network_bytes"].append(pagecache.read_chars() - chars)
+            figures["target_product_network_bytes"].append(cost.network)
+        return seconds
 
     out: dict[str, Any] = {
         "seconds": [],
@@ -299,6 +466,19 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
         "held_bytes": [],
         "rss_before": pagecache.rss(),
     }
+    network: dict[str, list[Any]] | None = (
+        {
+            key: []
+            for key in (
+                "network_bytes",
+                "product_network_bytes",
+                "target_network_bytes",
+                "target_product_network_bytes",
+            )
+        }
+        if s3
+        else None
+    )
     pagecache.settle()  # what setting up started in the background ends before any timing
     # One untimed pass first: a process's first pass also pays its one-time costs (code
     # paths, the allocator's growth), which would fall on whichever side ran first.
@@ -315,19 +495,26 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
                 held = decided.tap
                 if held is None:
                     raise RuntimeError(f"the target's load holds nothing: {decided.target}")
-                out["target_seconds"].append(target_pass(decided))
+                out["target_seconds"].append(target_pass(decided, network))
                 out["held_bytes"].append(held.peak_bytes)
                 current[0] = held
+                chars = pagecache.read_chars()
                 before, start = pagecache.read_bytes(), time.perf_counter()
-                for name, tensor in draft():
-                    buffers[name].copy_(tensor)
+                with stats.measuring() as cost:
+                    for name, tensor in draft():
+                        buffers[name].copy_(tensor)
                 out["seconds"].append(time.perf_counter() - start)
                 out["bytes_read"].append(pagecache.read_bytes() - before)
+                if network is not None:
+                    network["network_bytes"].append(pagecache.read_chars() - chars)
+                    network["product_network_bytes"].append(cost.network)
                 out["resident_bytes"].append(pagecache.resident_bytes(files))
                 held.release("the bench's draft load ended")
                 current[0] = None
     out["peak_rss"] = pagecache.peak_rss()
-    out["ran"] = "tap + safetensors_filtered"
+    out["ran"] = f"tap + {draft_format}"
+    if network is not None:
+        out.update(network)
     return out
 
 
@@ -471,7 +658,7 @@ def it_one_pass(spec: dict[str, Any]) -> dict[str, Any]:
 
 #: Strategies that time their own phases (one pass: the target's pass, then the draft's).
 PHASED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "one_pass": one_pass,
+    **{name: one_pass for name in ONE_PASS},
     "it_one_pass": it_one_pass,
 }
 STRATEGIES: dict[str, Callable[[dict[str, Any]], Callable[[], None]]] = {
@@ -481,6 +668,12 @@ STRATEGIES: dict[str, Callable[[dict[str, Any]], Callable[[], None]]] = {
     "auto": _product("safetensors_filtered"),
     "selective": _product("instanttensor_selective"),
     "limit": limit,
+    "fastsafetensors_stock": fastsafetensors_stock,
+    "fastsafetensors_filtered": _product("fastsafetensors_filtered"),
+    "runai_stock": _runai_stock(s3=False),
+    "runai_filtered": _product("runai_streamer_filtered"),
+    "runai_s3_stock": _runai_stock(s3=True),
+    "runai_s3_filtered": _product("runai_streamer_filtered", s3=True),
     "it_full": it_full,
     "it_selective": it_selective,
     "lazy_to_gpu": lazy_to_gpu,
@@ -501,6 +694,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "rss_before": pagecache.rss(),
     }
     gpu = spec["strategy"] in GPU_STRATEGIES
+    network = spec["strategy"] in S3_STRATEGIES
+    if network:
+        from hybrid_draft.adapter import stats
+
+        out.update(network_bytes=[], product_network_bytes=[])
     # One untimed cold run first: a process's first run also pays one-time costs (code paged
     # in, fresh memory faulted) that a served draft load has paid in the target's load.
     pagecache.evict(files)
@@ -514,9 +712,18 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
             torch.cuda.reset_peak_memory_stats()
         before = pagecache.read_bytes()
-        start = time.perf_counter()
-        run()
-        out["seconds"].append(time.perf_counter() - start)
+        if network:  # the bytes over the wire: the socket reads, and the product's count
+            chars = pagecache.read_chars()
+            start = time.perf_counter()
+            with stats.measuring() as cost:
+                run()
+            out["seconds"].append(time.perf_counter() - start)
+            out["network_bytes"].append(pagecache.read_chars() - chars)
+            out["product_network_bytes"].append(cost.network)
+        else:
+            start = time.perf_counter()
+            run()
+            out["seconds"].append(time.perf_counter() - start)
         if gpu:
             out.setdefault("peak_device_bytes", []).append(torch.cuda.max_memory_allocated())
         out["bytes_read"].append(pagecache.read_bytes() - before)
@@ -531,6 +738,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
+    if "s3" in spec:  # vLLM's copies of an s3:// model's config files: the worker's own
+        os.environ["VLLM_ASSETS_CACHE"] = os.path.join(
+            os.path.dirname(spec["result_file"]), "vllm-assets"
+        )
     result = measure(spec)
     # A result file, not stdout: vLLM's logger writes to stdout.
     with open(spec["result_file"], "w") as f:
