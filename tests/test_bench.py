@@ -32,6 +32,13 @@ S3_STRATEGIES = ("runai_s3_stock", "runai_s3_filtered", "runai_s3_one_pass")
 ONE_PASS = ("one_pass", "fastsafetensors_one_pass", "runai_one_pass")
 
 
+def tiny(out: Path, *flags: str, runs: int = 1) -> list[str]:
+    """``hybrid-draft bench`` at the tests' scale into ``out``, with ``flags`` added (the
+    start-up timings off unless they say otherwise)."""
+    timings = [] if "--startup-runs" in flags else ["--startup-runs", "0", "--hook-runs", "0"]
+    return ["bench", "--size", "0.05", "--runs", str(runs), "--out", str(out), *flags, *timings]
+
+
 def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run(
@@ -39,17 +46,7 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "hybrid_draft",
-            "bench",
-            "--size",
-            "0.05",
-            "--runs",
-            "2",
-            "--out",
-            str(out),
-            "--startup-runs",
-            "3",
-            "--hook-runs",
-            "1",
+            *tiny(out, "--startup-runs", "3", "--hook-runs", "1", runs=2),
         ],
         capture_output=True,
         text=True,
@@ -130,24 +127,7 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
         "from hybrid_draft.tools.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     again = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            no_matplotlib,
-            "bench",
-            "--size",
-            "0.05",
-            "--runs",
-            "1",
-            "--out",
-            str(out),
-            "--strategies",
-            "limit",
-            "--startup-runs",
-            "0",
-            "--hook-runs",
-            "0",
-        ],
+        [sys.executable, "-c", no_matplotlib, *tiny(out, "--strategies", "limit")],
         capture_output=True,
         text=True,
         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
@@ -205,21 +185,9 @@ def test_bench_against_object_storage(tmp_path: Path) -> None:
                     sys.executable,
                     "-m",
                     "hybrid_draft",
-                    "bench",
-                    "--size",
-                    "0.05",
-                    "--runs",
-                    "1",
-                    "--out",
-                    str(out),
-                    "--strategies",
-                    ",".join(S3_STRATEGIES),
-                    "--s3-endpoint",
-                    s3.endpoint,
-                    "--startup-runs",
-                    "0",
-                    "--hook-runs",
-                    "0",
+                    *tiny(
+                        out, "--strategies", ",".join(S3_STRATEGIES), "--s3-endpoint", s3.endpoint
+                    ),
                 ],
                 stdout=subprocess.PIPE,
                 stderr=stderr,
