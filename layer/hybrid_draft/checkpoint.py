@@ -475,14 +475,7 @@ def _read(path: str | os.PathLike[str]) -> tuple[int, Any, int, str]:
         raise CheckpointError(str(exc)) from None
     try:
         raw = files.pread_exact(fd, 8, 0, path)
-        if len(raw) != 8:
-            raise CheckpointError(f"{shown}: shorter than a safetensors header (8 bytes)")
-        (size,) = struct.unpack("<Q", raw)
-        if size > MAX_HEADER:
-            raise CheckpointError(
-                f"{shown}: header length {size:,} is over safetensors' limit of "
-                f"{MAX_HEADER:,} bytes"
-            )
+        size = header_length(shown, raw)
         if 8 + size > st.st_size:
             raise CheckpointError(
                 f"{shown}: header length {size:,} runs past the end of the file "
@@ -499,6 +492,19 @@ def _read(path: str | os.PathLike[str]) -> tuple[int, Any, int, str]:
         return size, _parse(shown, data), st.st_size, header_digest(raw + data)
     except MemoryError:
         raise CheckpointError(f"{shown}: header is too large to parse in memory") from None
+
+
+def header_length(shown: str, raw: bytes) -> int:
+    """The header length a shard's first 8 bytes (``raw``) give, within safetensors' limit;
+    :class:`CheckpointError` naming the shard (``shown``) otherwise."""
+    if len(raw) != 8:
+        raise CheckpointError(f"{shown}: shorter than a safetensors header (8 bytes)")
+    size: int = struct.unpack("<Q", raw)[0]
+    if size > MAX_HEADER:
+        raise CheckpointError(
+            f"{shown}: header length {size:,} is over safetensors' limit of {MAX_HEADER:,} bytes"
+        )
+    return size
 
 
 class Header(dict[str, Any]):
@@ -536,13 +542,7 @@ def object_shard(uri: str, raw: bytes) -> Shard:
     file but for the file's size, which a header read does not learn. :class:`CheckpointError`
     names the address."""
     shown = files.show_path(uri)
-    if len(raw) < 8:
-        raise CheckpointError(f"{shown}: shorter than a safetensors header (8 bytes)")
-    (size,) = struct.unpack("<Q", raw[:8])
-    if size > MAX_HEADER:
-        raise CheckpointError(
-            f"{shown}: header length {size:,} is over safetensors' limit of {MAX_HEADER:,} bytes"
-        )
+    size = header_length(shown, raw[:8])
     if len(raw) != 8 + size:
         raise CheckpointError(
             f"{shown}: header length {size:,}, but {len(raw) - 8:,} header bytes were read"

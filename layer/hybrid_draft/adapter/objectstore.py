@@ -8,23 +8,20 @@ No vLLM import. The draft's plan of a Run:ai target in object storage is made fr
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 
 from hybrid_draft import checkpoint, files
 
 
-def _chunks(requests: Sequence[tuple[str, int, int]]) -> dict[int, bytes]:
-    """Each ``(address, offset, size)`` range, read by Run:ai's streamer, by its index."""
+def _chunks(requests: Sequence[tuple[int, str, int, int]]) -> dict[int, bytes]:
+    """Each ``(index, address, offset, size)`` range, read by Run:ai's streamer, by its
+    index."""
     from runai_model_streamer import DistributedStreamer, FileChunks
 
     out: dict[int, bytes] = {}
     with DistributedStreamer() as streamer:
         streamer.stream_files(
-            [
-                FileChunks(i, uri, [offset], [size])
-                for i, (uri, offset, size) in enumerate(requests)
-            ],
+            [FileChunks(i, uri, [offset], [size]) for i, uri, offset, size in requests],
             None,
             "cpu",
             False,
@@ -39,22 +36,15 @@ def read_shards(uris: Sequence[str]) -> list[checkpoint.Shard]:
     naming the address for one that is not a safetensors file safetensors would accept."""
     if not uris:
         return []
-    lengths = _chunks([(uri, 0, 8) for uri in uris])
-    sizes: list[int] = []
-    for i, uri in enumerate(uris):
-        raw = lengths.get(i, b"")
-        if len(raw) != 8:
-            raise checkpoint.CheckpointError(
-                f"{files.show_path(uri)}: shorter than a safetensors header (8 bytes)"
-            )
-        (size,) = struct.unpack("<Q", raw)
-        if not 0 < size <= checkpoint.MAX_HEADER:
-            raise checkpoint.CheckpointError(
-                f"{files.show_path(uri)}: header length {size:,} is not between 1 and "
-                f"safetensors' limit of {checkpoint.MAX_HEADER:,} bytes"
-            )
-        sizes.append(size)
-    headers = _chunks([(uri, 8, size) for uri, size in zip(uris, sizes, strict=True)])
+    lengths = _chunks([(i, uri, 0, 8) for i, uri in enumerate(uris)])
+    sizes = [
+        checkpoint.header_length(files.show_path(uri), lengths.get(i, b""))
+        for i, uri in enumerate(uris)
+    ]
+    # An empty header is asked for no range: object_shard then says it is not JSON.
+    headers = _chunks(
+        [(i, uri, 8, size) for i, (uri, size) in enumerate(zip(uris, sizes, strict=True)) if size]
+    )
     return [
         checkpoint.object_shard(uri, lengths[i] + headers.get(i, b"")) for i, uri in enumerate(uris)
     ]
