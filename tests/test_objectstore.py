@@ -153,7 +153,9 @@ def test_the_draft_of_an_s3_target_transfers_only_its_tensors_and_headers(
     saved = proc["loads"][1]["vs_full_pass"]
     assert saved["network_bytes"] == own_bytes
     assert saved["bytes_read"] == own_bytes + draft_load["bytes_read"]
-    assert saved["bytes_saved"] == draft_load["checkpoint_bytes"] - saved["bytes_read"]
+    # (storage bytes the process read meanwhile, code paged in cold, can exceed a tiny
+    # checkpoint: the saving is then 0, never negative)
+    assert saved["bytes_saved"] == max(draft_load["checkpoint_bytes"] - saved["bytes_read"], 0)
     text = report.render(summary)
     assert any(
         ln.split()[:2] == ["draft", "runai_streamer"] and "(network)" in ln
