@@ -394,7 +394,7 @@ def filtered_reads(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Record
     """Every tensor hybrid-draft's filtered reader takes, per shard it opens, and the bytes
     it read for them (spies on ``shardread.read_shard``, ``tensor`` and ``read_into``, which
     still do the reading; vLLM's own iterators are recorded by ``lazy_spy``)."""
-    from hybrid_draft.adapter import shardread
+    from hybrid_draft.core import shardread
 
     real_shard, real_tensor, real_read = (
         shardread.read_shard,
@@ -426,7 +426,7 @@ def filtered_reads(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Record
 
 def rule_keeps(model_dir: Path, draft: Any) -> set[str]:
     """The checkpoint tensors a loaded draft's checkpoint-weight rule keeps."""
-    from hybrid_draft import checkpoint
+    from hybrid_draft.core import checkpoint
 
     names = {t.name for s in checkpoint.read_checkpoint(model_dir) for t in s.tensors}
     return {n for n in names if not draft.is_unused_checkpoint_weight(n)}
@@ -439,7 +439,7 @@ REPLACED = ("embed_tokens.weight", "shared_head.head.weight")
 def draft_tensors(model_dir: Path, draft: Any, replaced: bool = False) -> dict[str, int]:
     """The tensors a loaded DeepSeek-V3 draft's rule keeps, with sizes: those it reads itself
     (all but :data:`REPLACED`), or with ``replaced`` the ones vLLM replaces."""
-    from hybrid_draft import checkpoint
+    from hybrid_draft.core import checkpoint
 
     keeps = rule_keeps(model_dir, draft)
     return {

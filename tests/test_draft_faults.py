@@ -63,7 +63,7 @@ def test_child_a_shard_truncated_while_read(
     model: Path, events: Events, instanttensor_standin: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hybrid_draft import files
-    from hybrid_draft.adapter import shardread
+    from hybrid_draft.core import shardread
 
     real = shardread.read_into
     cut: list[tuple[str, int, Any]] = []
@@ -92,7 +92,7 @@ def test_child_a_shard_truncated_while_read(
 def test_child_a_shard_truncated_after_the_plan(
     model: Path, events: Events, instanttensor_standin: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hybrid_draft.adapter import shardread
+    from hybrid_draft.core import shardread
 
     real = shardread.read_shard
     sizes: dict[str, int] = {}
@@ -118,7 +118,7 @@ def test_child_a_shard_rewritten_after_the_plan(
 ) -> None:
     """The same size, another header (one tensor renamed in place): refused, never read at
     the offsets of the header planned."""
-    from hybrid_draft.adapter import shardread
+    from hybrid_draft.core import shardread
 
     real = shardread.read_shard
     rewritten: list[str] = []
@@ -181,10 +181,10 @@ def _load_with_a_change_between(model: Path, monkeypatch: pytest.MonkeyPatch, **
     from vllm.model_executor.model_loader import get_model
     from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     config = engine_config(model)
-    with hold.scope(), set_current_vllm_config(config):
+    with loadscope.scope(), set_current_vllm_config(config):
         ensure_model_parallel_initialized(1, 1)
         target = get_model(vllm_config=config)
         for name, value in env.items():
@@ -324,7 +324,7 @@ def test_the_loaded_event_carries_the_settings_the_load_decided_with(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Settings that change while the draft reads do not leak into its loaded event."""
-    from hybrid_draft.adapter import shardread
+    from hybrid_draft.core import shardread
 
     real = shardread.read_shard
 

@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybrid_draft import checkpoint
 from hybrid_draft import settings as hd_settings
+from hybrid_draft.core import checkpoint
 
 THOROUGH = os.environ.get("HYBRID_DRAFT_FUZZ", "") == "thorough"
 

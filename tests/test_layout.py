@@ -1,11 +1,12 @@
 """The package's layout is its architecture: imports flow one way.
 
-Layers, lowest first: the package root and its file reader; settings; events; the pure
-policy and checkpoint readers; planning; the vLLM adapter and the bootstrap that hooks it
-in; the tools. A module imports only from its own layer or below (anywhere in it, at module
-level or inside a function), so the runtime never imports a tool, the pure core never
-imports the adapter, and nothing imports the bootstrap. Within a layer (``adapter/``
-included) no module imports another that imports it back, by any chain.
+Layers, lowest first: the package root and its file reader; settings; events; the core
+(``core/``: policy, checkpoint headers, planning, the draft's readers, the hold and the load
+figures, no vLLM import); the vLLM adapter and the bootstrap that hooks it in; the tools. A
+module imports only from its own layer or below (anywhere in it, at module level or inside a
+function), so the runtime never imports a tool, the core never imports the adapter, and
+nothing imports the bootstrap. Within a layer (``adapter/`` and ``core/`` included) no
+module imports another that imports it back, by any chain.
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ LAYERS = {
     "hybrid_draft.records": 0,
     "hybrid_draft.settings": 1,
     "hybrid_draft.events": 2,
-    "hybrid_draft.policy": 3,
-    "hybrid_draft.checkpoint": 3,
-    "hybrid_draft.planning": 4,
-    "hybrid_draft.adapter": 5,
-    "hybrid_draft._bootstrap": 5,
-    "hybrid_draft.tools": 6,
-    "hybrid_draft.__main__": 6,
+    "hybrid_draft.core": 3,
+    "hybrid_draft.adapter": 4,
+    "hybrid_draft._bootstrap": 4,
+    "hybrid_draft.tools": 5,
+    "hybrid_draft.__main__": 5,
 }
 
 
@@ -77,7 +76,7 @@ def test_imports_flow_one_way(name: str, path: Path) -> None:
 
 
 def test_every_module_has_a_layer() -> None:
-    assert {layer(m) for m, _ in modules()} == set(range(7))
+    assert {layer(m) for m, _ in modules()} == set(range(6))
 
 
 def test_no_module_imports_itself_back() -> None:

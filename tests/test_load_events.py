@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from conftest import Events, Recorder, engine_config, load_target_and_draft, rule_keeps
-from hybrid_draft import checkpoint
+from hybrid_draft.core import checkpoint
 
 pytestmark = pytest.mark.vllm
 

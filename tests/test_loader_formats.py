@@ -22,7 +22,7 @@ from conftest import (
     load_target_and_draft,
     rule_keeps,
 )
-from hybrid_draft.checkpoint import read_checkpoint
+from hybrid_draft.core.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -215,9 +215,9 @@ def test_runai_target_one_pass_the_draft_reads_nothing(
 ) -> None:
     """Inside a model runner's load scope, the Run:ai target's stream keeps the draft's
     tensors: the draft sends the streamer no request at all."""
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
-    with hold.scope():
+    with loadscope.scope():
         loaded = load_target_and_draft(engine_config(qwen35, load_format="runai_streamer"))
 
     shards = sorted(qwen35.glob("*.safetensors"))
@@ -253,9 +253,9 @@ def test_fastsafetensors_target_one_pass_the_draft_reads_nothing(
 ) -> None:
     """The fastsafetensors target's stream keeps the draft's tensors (copies: each of its
     tensors shares its shard's buffer); the draft's fastsafetensors loader reads nothing."""
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
-    with hold.scope():
+    with loadscope.scope():
         loaded = load_target_and_draft(engine_config(qwen35, load_format="fastsafetensors"))
 
     sizes = {t.name: t.nbytes for s in read_checkpoint(qwen35) for t in s.tensors}

@@ -19,7 +19,7 @@ from conftest import (
     load_target_and_draft,
     rule_keeps,
 )
-from hybrid_draft.checkpoint import read_checkpoint
+from hybrid_draft.core.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -149,7 +149,7 @@ def test_each_get_model_call_emits_one_decision_on_stderr_and_in_the_file(
     assert len(on_stderr) == 2 and len(in_file) == 2  # one target call, one draft call
     import json
 
-    from hybrid_draft.policy import REASONS
+    from hybrid_draft.core.policy import REASONS
 
     for line, record in zip(on_stderr, in_file, strict=True):
         parsed = json.loads(line)

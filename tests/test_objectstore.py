@@ -27,7 +27,7 @@ from conftest import (
     engine_config,
     rule_keeps,
 )
-from hybrid_draft.checkpoint import read_checkpoint
+from hybrid_draft.core.checkpoint import read_checkpoint
 from s3server import S3Server
 
 pytestmark = pytest.mark.vllm
@@ -166,10 +166,10 @@ def test_the_draft_of_an_s3_target_transfers_only_its_tensors_and_headers(
 def test_in_a_load_scope_the_draft_of_an_s3_target_transfers_nothing(
     s3: S3Server, s3_qwen35: str, qwen35: Path, events: Events
 ) -> None:
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     config = engine_config(s3_qwen35, load_format="runai_streamer", config_dir=qwen35)
-    with hold.scope():
+    with loadscope.scope():
         _target, draft, between = _load(config, s3)
 
     assert s3.object_gets(since=between) == []  # the draft's load sent no request

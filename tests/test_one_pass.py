@@ -2,7 +2,7 @@
 
 Real vLLM on the CPU: the target through ``get_model`` (the CPU runner's route) or straight
 through its loader's ``load_model`` (the GPU runners' route), the draft through the real
-``EagleProposer``, inside the load scope the model runners open (``hold.scope``). vLLM's
+``EagleProposer``, inside the load scope the model runners open (``loadscope.scope``). vLLM's
 InstantTensor iterator is the only stand-in (conftest); the tap wraps what it yields.
 """
 
@@ -26,7 +26,7 @@ from conftest import (
     load_target_and_draft,
     vllm_module,
 )
-from hybrid_draft import checkpoint
+from hybrid_draft.core import checkpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -42,9 +42,9 @@ def test_the_draft_takes_its_tensors_from_the_targets_stream(
     filtered_reads: Recorder,
     lazy_spy: Recorder,
 ) -> None:
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
-    with hold.scope():
+    with loadscope.scope():
         loaded = load_target_and_draft(engine_config(deepseek))
     own = draft_tensors(deepseek, loaded.draft)
     # The target's pass is the one read of the checkpoint; the draft opened no shard.
@@ -89,12 +89,12 @@ def test_the_tap_changes_nothing_the_target_or_the_draft_loads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Target and draft, parameter for parameter, with the tap and without it (budget 0)."""
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
-    with hold.scope():
+    with loadscope.scope():
         tapped = load_target_and_draft(engine_config(deepseek))
     monkeypatch.setenv("HYBRID_DRAFT_HOLD_BUDGET", "0")
-    with hold.scope():
+    with loadscope.scope():
         plain = load_target_and_draft(engine_config(deepseek))
     for a, b in ((tapped.target, plain.target), (tapped.draft, plain.draft)):
         sa, sb = _state(a), _state(b)
@@ -119,11 +119,11 @@ def test_held_memory_returns_when_no_draft_load_follows(
     from vllm.distributed import ensure_model_parallel_initialized
     from vllm.model_executor.model_loader import get_model
 
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     config = engine_config(deepseek)
     alive: list[weakref.ref[torch.Tensor]] = []
-    with hold.scope() as scope, set_current_vllm_config(config):
+    with loadscope.scope() as scope, set_current_vllm_config(config):
         ensure_model_parallel_initialized(1, 1)
         get_model(vllm_config=config)
         (held,) = scope.holds
@@ -145,13 +145,13 @@ def test_a_failed_draft_load_releases_the_hold(
 ) -> None:
     from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
 
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     def broken(self: Any, weights: Any) -> Any:
         raise RuntimeError("the draft's weights are corrupt")
 
     monkeypatch.setattr(DeepSeekMTP, "load_weights", broken)
-    with pytest.raises(RuntimeError, match="corrupt"), hold.scope():
+    with pytest.raises(RuntimeError, match="corrupt"), loadscope.scope():
         load_target_and_draft(engine_config(deepseek))
     (released,) = events.named("hybrid_draft.hold_released")
     assert released["reason"] == "the draft's load failed" and released["released_tensors"] > 0
@@ -164,12 +164,12 @@ def test_a_budget_holds_what_fits_and_the_rest_is_read(
     filtered_reads: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     sizes = sorted(own_tensors_of_layout(deepseek).values(), reverse=True)
     budget = sum(sizes) // 2
     monkeypatch.setenv("HYBRID_DRAFT_HOLD_BUDGET", str(budget))
-    with hold.scope():
+    with loadscope.scope():
         load_target_and_draft(engine_config(deepseek))
     (load,) = [e for e in events.named("hybrid_draft.loaded") if e["role"] == "draft"]
     stream, storage = load["sources"]["stream"], load["sources"]["storage"]
@@ -207,11 +207,11 @@ def test_nothing_is_held_when_the_draft_does_not_take_it(
     instanttensor_standin: Recorder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     for key, value in setting.items():
         monkeypatch.setenv(key, value)
-    with hold.scope() as scope:
+    with loadscope.scope() as scope:
         load_target_and_draft(engine_config(qwen35))
         assert scope.holds == []
     (target,) = events.decisions("target")
@@ -262,10 +262,10 @@ def test_a_target_loaded_by_its_loader_directly_is_decided_and_tapped(
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     config = engine_config(deepseek)
-    with hold.scope(), set_current_vllm_config(config):
+    with loadscope.scope(), set_current_vllm_config(config):
         ensure_model_parallel_initialized(1, 1)
         target = get_model_loader(config.load_config).load_model(
             vllm_config=config, model_config=config.model_config
@@ -287,7 +287,7 @@ def test_each_shard_header_is_read_once_per_draft(
 ) -> None:
     """The draft's plan is made once: its decision, loader and events share it. With one
     pass it is made at the target's load, and the draft's load reads no header at all."""
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     reads: list[str] = []
     real = checkpoint.read_header
@@ -301,7 +301,7 @@ def test_each_shard_header_is_read_once_per_draft(
     load_target_and_draft(engine_config(deepseek))  # no scope: the draft plans for itself
     assert sorted(reads) == shards
     reads.clear()
-    with hold.scope():
+    with loadscope.scope():
         load_target_and_draft(engine_config(deepseek))
     assert sorted(reads) == shards  # read once, at the target's load, for the draft
 
@@ -317,7 +317,8 @@ def test_the_bench_holds_what_a_served_load_holds(
     """``hybrid-draft bench``'s one pass decides its hold by production's code: for the same
     checkpoint and settings it holds exactly the tensors a served load's stream keeps (all
     of them, and with a budget that fits only part)."""
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
+    from hybrid_draft.core import hold
     from hybrid_draft.tools.bench import strategies
 
     own = own_tensors_of_layout(deepseek)
@@ -332,7 +333,7 @@ def test_the_bench_holds_what_a_served_load_holds(
         return tensor
 
     monkeypatch.setattr(hold.Hold, "take", spy)
-    with hold.scope():
+    with loadscope.scope():
         load_target_and_draft(engine_config(deepseek))
     assert taken and (share == 1) == (set(taken) == set(own))
     assert strategies.held_names(str(deepseek)) == frozenset(taken)

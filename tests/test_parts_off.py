@@ -82,12 +82,12 @@ def test_the_skip_off_is_said_and_the_draft_says_why_it_skipped_nothing(
     instanttensor_standin: Recorder,
     embed_reshaped: None,
 ) -> None:
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     # The V1 proposer where this release has it, else model runner v2's route.
     v1 = importlib.util.find_spec("vllm.v1.spec_decode.eagle") is not None
     route = "eagle" if v1 else "mrv2_eagle"
-    with hold.scope():
+    with loadscope.scope():
         load_target_and_draft(engine_config(deepseek), route)
     (skipped,) = events.named("hybrid_draft.part_skipped")  # once, though asked twice
     assert skipped["part"] == "skip_replaced"

@@ -19,7 +19,7 @@ from conftest import (
     load_target_and_draft,
     rule_keeps,
 )
-from hybrid_draft import checkpoint
+from hybrid_draft.core import checkpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -173,12 +173,19 @@ def test_the_ungrouped_reader_is_vllms_read_with_no_process_group(
     import instanttensor
     from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
-    from hybrid_draft.adapter import loaders
+    from hybrid_draft.adapter import internals, loaders
 
     recorder = SafeOpen()
     monkeypatch.setattr(instanttensor, "safe_open", recorder)
     files = sorted(str(p) for p in glm.glob("*.safetensors"))
-    out = dict(loaders.instanttensor_ungrouped_iterator(files, torch.device("cpu"), False, experts))
+    out = dict(
+        loaders.instanttensor_ungrouped_iterator(
+            files,
+            torch.device("cpu"),
+            local_expert_ids=experts,
+            should_skip_weight=internals.should_skip_weight,
+        )
+    )
     (call,) = recorder.calls
     assert call["process_group"] is None and call["copy"] is True
     assert call["tensor_name_match_mode"] == "exact" and call["device"] == torch.device("cpu")

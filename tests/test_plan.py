@@ -808,7 +808,7 @@ def test_bad_input_from_the_command_line(tmp_path: Path) -> None:
 
 
 def test_header_reader_matches_safe_open(deepseek: Path) -> None:
-    from hybrid_draft import checkpoint
+    from hybrid_draft.core import checkpoint
 
     contents = shard_contents(deepseek)
     for shard in checkpoint.read_checkpoint(deepseek):

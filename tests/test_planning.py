@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_draft import checkpoint, planning
+from hybrid_draft.core import checkpoint, planning
 from hybrid_draft.tools import modes, synth
 
 
@@ -127,7 +127,7 @@ def test_planning_imports_no_vllm() -> None:
         [
             sys.executable,
             "-c",
-            "import sys, hybrid_draft.planning; "
+            "import sys, hybrid_draft.core.planning; "
             "print('vllm' in sys.modules, 'torch' in sys.modules)",
         ],
         capture_output=True,

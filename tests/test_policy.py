@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_draft import policy
-from hybrid_draft.policy import Checkpoint, Request
+from hybrid_draft.core import policy
+from hybrid_draft.core.policy import Checkpoint, Request
 
 
 def draft(
@@ -120,7 +120,7 @@ def test_policy_imports_no_vllm() -> None:
     import subprocess
 
     code = (
-        "import sys, hybrid_draft.policy; "
+        "import sys, hybrid_draft.core.policy; "
         "print(sorted(m for m in ('vllm', 'torch', 'structlog') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -68,9 +68,9 @@ def test_the_draft_reads_nothing_from_storage(
     filtered_reads: Recorder,
     lazy_spy: Recorder,
 ) -> None:
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
-    with hold.scope():
+    with loadscope.scope():
         loaded = load_target_and_draft(engine_config(deepseek), route_or_skip(route))
     own = draft_tensors(deepseek, loaded.draft)
     replaced = draft_tensors(deepseek, loaded.draft, replaced=True)
@@ -135,10 +135,10 @@ def test_a_quantized_copy_of_the_targets_head_replaces_the_drafts_own(
     # AMX host would take kernels the CUDA build lacks: the config names CPU_MLA there, as
     # for every in-process MLA load, and the load keeps vLLM's other AMX paths off.)
     spec = {"method": "mtp", "num_speculative_tokens": 1, "draft_lm_head_quantization": "fp8"}
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     config = engine_config(deepseek, speculative_config=spec, dtype="bfloat16")
-    with hostcpu.without_amx(), hold.scope():
+    with hostcpu.without_amx(), loadscope.scope():
         loaded = load_target_and_draft(config, route_or_skip("mrv2_eagle"))
     replaced = draft_tensors(deepseek, loaded.draft, replaced=True)
     (load,) = [e for e in events.named("hybrid_draft.loaded") if e["role"] == "draft"]

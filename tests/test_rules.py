@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from conftest import Events, Recorder, engine_config, load_target_and_draft
-from hybrid_draft import checkpoint
+from hybrid_draft.core import checkpoint
 from hybrid_draft.tools import synth
 from mtp_layouts import FAMILIES, STANDINS, Family, layout
 

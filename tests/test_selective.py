@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import Events, Recorder, engine_config, load_target_and_draft, rule_keeps
-from hybrid_draft import checkpoint
 from hybrid_draft.adapter.rules import deepseek_mtp_unused
+from hybrid_draft.core import checkpoint
 
 pytestmark = pytest.mark.vllm
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_draft import checkpoint
-from hybrid_draft.checkpoint import CheckpointError
+from hybrid_draft.core import checkpoint
+from hybrid_draft.core.checkpoint import CheckpointError
 
 
 def shard_bytes(header: bytes | str, data: int = 0, pad: bool = True, tail: bytes = b"") -> bytes:
@@ -330,7 +330,7 @@ def test_the_filtered_reader_gives_what_safe_open_gives(dtype: str, tmp_path: Pa
     import torch
     from safetensors import safe_open
 
-    from hybrid_draft.adapter import shardread
+    from hybrid_draft.core import shardread
 
     bits = checkpoint.DTYPE_BITS[dtype]
     header: dict[str, object] = {}
@@ -411,7 +411,7 @@ def test_the_filtered_reader_reads_runs_a_kept_tensor_stays_whole(
     import torch
     from safetensors import safe_open
 
-    from hybrid_draft.adapter import shardread
+    from hybrid_draft.core import shardread
 
     monkeypatch.setattr(shardread, "RUN_BYTES", 64)  # many runs from a small shard
     blocks: list[int] = []

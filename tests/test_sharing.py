@@ -83,7 +83,7 @@ def destinations(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Destinat
 
 def skipped_vs_truth(draft: Any, kept: set[str], written: dict[str, set[str]]) -> tuple:
     from hybrid_draft.adapter import sharing
-    from hybrid_draft.planning import shared_kind
+    from hybrid_draft.core.planning import shared_kind
 
     kinds = sharing.expected(draft, 1, "mtp", True)
     replaced = set(sharing.replaceable(draft, kinds))
@@ -198,7 +198,7 @@ def test_a_head_vllm_did_not_replace_is_loaded_from_the_checkpoint(
     from safetensors.torch import load_file
     from vllm.v1.worker.gpu.spec_decode.eagle import utils
 
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     # vLLM's own test of whether to share, answering "keep the draft's own" for the head.
     real = utils._should_share
@@ -213,7 +213,7 @@ def test_a_head_vllm_did_not_replace_is_loaded_from_the_checkpoint(
         if "lm_head.weight" in load_file(p)
     )
     if in_scope:
-        with hold.scope():
+        with loadscope.scope():
             loaded = load_target_and_draft(engine_config(qwen35))
             assert not events.named("hybrid_draft.replaced_fallback")  # not yet: in scope
     else:

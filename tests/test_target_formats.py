@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_draft import policy, settings
-from hybrid_draft.policy import Checkpoint, Request
+from hybrid_draft import settings
+from hybrid_draft.core import policy
+from hybrid_draft.core.policy import Checkpoint, Request
 
 
 def draft(fmt: str, same: bool = True) -> Request:
@@ -96,7 +97,7 @@ def test_a_held_view_of_a_larger_buffer_is_copied_and_an_own_tensor_is_not() -> 
     buffer: held as they are, they would keep all of it alive."""
     import torch
 
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.core import hold
 
     buffer = torch.arange(1024, dtype=torch.float32)
     view = buffer[256:512].view(16, 16)

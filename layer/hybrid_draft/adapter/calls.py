@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from hybrid_draft import policy
+from hybrid_draft.core import policy
 
 if TYPE_CHECKING:
     from vllm.config import LoadConfig, ModelConfig, SpeculativeConfig, VllmConfig

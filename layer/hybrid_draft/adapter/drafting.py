@@ -1,7 +1,7 @@
 """A draft load's decision: the policy's answer, checked against the draft's plan, and how
 the draft is read (:func:`draft`).
 
-The policy (``hybrid_draft.policy``) says whether a draft switches format; here that is
+The policy (``hybrid_draft.core.policy``) says whether a draft switches format; here that is
 checked against what can really be done for this draft on this vLLM (its checkpoint-weight
 rule, its plan, the parts switched off), and the outcome is one frozen :class:`Draft`:
 the decision as it stands, the load config the draft loads with, the read the layer's
@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hybrid_draft import policy, records, settings
-from hybrid_draft.adapter import calls, hold, internals, loaders, parts
-from hybrid_draft.planning import DraftPlan
+from hybrid_draft import records, settings
+from hybrid_draft.adapter import calls, internals, loaders, loadscope, parts
+from hybrid_draft.core import hold, policy
+from hybrid_draft.core.planning import DraftPlan
 from hybrid_draft.records import ABSENT, Opt
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class Held:
         )
 
 
-def held(call: calls.Call, current: settings.Settings, scope: hold.Scope | None) -> Held:
+def held(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | None) -> Held:
     """The hold the target's load made for this draft and the plan it holds, as far as the
     draft's own settings allow them: settings that changed between the two loads (a config
     file replaced) are followed, never the target's. A changed ``skip_replaced`` makes the
@@ -108,7 +109,7 @@ def draft(
     request: policy.Request,
     decision: policy.Decision,
     current: settings.Settings,
-    scope: hold.Scope | None,
+    scope: loadscope.Scope | None,
     loaders_off: str | None,
 ) -> Draft:
     """Decide a draft's load: its plan, whether the layer's loaders read it, its config.
@@ -215,7 +216,7 @@ def draft(
 def empty_sources(
     sources: records.Sources,
     found: Held,
-    scope: hold.Scope | None,
+    scope: loadscope.Scope | None,
     request: policy.Request,
     current: settings.Settings,
     skip_off: str | None,

@@ -1,4 +1,4 @@
-"""Building a :class:`~hybrid_draft.planning.DraftPlan` from what vLLM resolves.
+"""Building a :class:`~hybrid_draft.core.planning.DraftPlan` from what vLLM resolves.
 
 At load time (:func:`for_call`): the shards vLLM's own loader of the draft's format resolves
 for its model and revision (``DefaultModelLoader``'s, downloading from the hub as vLLM
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hybrid_draft import checkpoint, policy
-from hybrid_draft.adapter import calls, drafts, internals, parts, rules, selective, sharing, stats
-from hybrid_draft.planning import DraftPlan
+from hybrid_draft.adapter import calls, drafts, internals, parts, rules, selective, sharing
+from hybrid_draft.core import checkpoint, figures, policy
+from hybrid_draft.core.planning import DraftPlan
 
 if TYPE_CHECKING:
     import torch
@@ -49,8 +49,8 @@ def shards(call: calls.Call) -> list[checkpoint.Shard]:
     config = call.model_config
     source = str(getattr(config, "model_weights", "") or config.model)
     files = sorted(internals.runai_weight_files(call.load_config, source, config.revision))
-    if any(map(stats.is_object_uri, files)):
-        from hybrid_draft.adapter import objectstore
+    if any(map(figures.is_object_uri, files)):
+        from hybrid_draft.core import objectstore
 
         return objectstore.read_shards(files)
     return checkpoint.read_files(files)

@@ -15,9 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hybrid_draft import policy, records, settings
-from hybrid_draft.adapter import calls, drafting, hold, loaders, onepass, parts, pipeline, stats
+from hybrid_draft import records, settings
+from hybrid_draft.adapter import calls, drafting, loaders, loadscope, onepass, parts, pipeline
 from hybrid_draft.adapter import where as places
+from hybrid_draft.core import figures, hold, policy
 from hybrid_draft.events import Sink, emit
 from hybrid_draft.records import ABSENT
 
@@ -153,11 +154,11 @@ class Load:
     def loaded_record(self, cost: records.Cost, exc: BaseException | None) -> records.Loaded:
         """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised ``exc``."""
         read, tap = self.read, self.tap
-        figures: records.HoldFigures | records.Absent = ABSENT
+        held: records.HoldFigures | records.Absent = ABSENT
         if tap is not None:
-            figures = tap.summary()
+            held = tap.summary()
         if read is not None and read.hold is not None:
-            figures = read.hold.summary()
+            held = read.hold.summary()
         return records.Loaded(
             role=self.role,
             model=self.model,
@@ -166,7 +167,7 @@ class Load:
             cost=cost,
             where=self.where,
             sources=read.sources if read is not None and read.sources else ABSENT,
-            one_pass=figures,
+            one_pass=held,
             error_type=type(exc).__name__ if exc is not None else ABSENT,
             error=str(exc) if exc is not None else ABSENT,
         )
@@ -190,7 +191,7 @@ def read_settings() -> settings.Settings:
 def decide(call: calls.Call, request: policy.Request, current: settings.Settings) -> Load:
     """Decide one load with its settings snapshot."""
     decision = policy.decide(request, str(current.mode.value), loaders.handled_formats(current))
-    scope = hold.current()
+    scope = loadscope.current()
     target = draft = None
     if request.role == "target":
         try:
@@ -224,7 +225,7 @@ def decide(call: calls.Call, request: policy.Request, current: settings.Settings
 
 def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None], Any]) -> Any:
     """One load: decide, emit the decision, load, emit what it cost."""
-    with stats.measuring() as cost:
+    with figures.measuring() as cost:
         request: policy.Request | None = None
         fault: BaseException | None = None
         try:
@@ -280,7 +281,7 @@ def _emit_decision(load: Load) -> None:
         init_logger("vllm.hybrid_draft").info(SWITCH_MESSAGE[decision.chosen_format])
 
 
-def _finish(load: Load, cost: stats.LoadStats, exc: BaseException | None) -> None:
+def _finish(load: Load, cost: figures.LoadStats, exc: BaseException | None) -> None:
     """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised; a fault here is
     reported as ``hybrid_draft.layer_error``, never raised over the load's own outcome."""
     try:
@@ -295,7 +296,7 @@ def _finish(load: Load, cost: stats.LoadStats, exc: BaseException | None) -> Non
         tap = load.tap
         if tap is not None and exc is not None:
             tap.release("the target's load failed")
-        scope = hold.current()
+        scope = loadscope.current()
         if load.role == "draft" and scope is not None:
             scope.release("the draft's load ended" if exc is None else "the draft's load failed")
 

@@ -1,7 +1,7 @@
 """hybrid-draft's draft loaders, registered with vLLM's own ``register_model_loader``.
 
 Each is vLLM's ``DefaultModelLoader`` but for one step: the draft's primary weights are
-read from its :class:`~hybrid_draft.planning.DraftPlan` (made once, when the load was
+read from its :class:`~hybrid_draft.core.planning.DraftPlan` (made once, when the load was
 decided) instead of by walking every shard. A shard holding nothing the draft keeps is
 never opened; a tensor the rule rejects is never touched, as vLLM already skips other
 ranks' experts (``should_skip_weight``) before reading; a tensor behind a module vLLM
@@ -34,9 +34,10 @@ import importlib
 import importlib.util
 import inspect
 
-from hybrid_draft import policy, settings
+from hybrid_draft import settings
 from hybrid_draft.adapter import internals
-from hybrid_draft.adapter.draftread import (
+from hybrid_draft.core import policy
+from hybrid_draft.core.draftread import (
     FASTSAFETENSORS_FILTERED,
     FILTERED,
     FILTERED_BY_FAMILY,
@@ -47,7 +48,7 @@ from hybrid_draft.adapter.draftread import (
     current,
     reading,
 )
-from hybrid_draft.adapter.readers import (
+from hybrid_draft.core.readers import (
     Weights,
     fastsafetensors_filtered_iterator,
     instanttensor_selective_iterator,

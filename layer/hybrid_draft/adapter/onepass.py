@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hybrid_draft import policy, records, settings
-from hybrid_draft.adapter import calls, draftplan, hold, internals, loaders, parts
-from hybrid_draft.planning import DraftPlan
+from hybrid_draft import records, settings
+from hybrid_draft.adapter import calls, draftplan, internals, loaders, loadscope, parts
+from hybrid_draft.core import hold, policy
+from hybrid_draft.core.planning import DraftPlan
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -45,7 +46,7 @@ def _off(reason: str, detail: str | None = None) -> Tap:
     return Tap(None, records.OnePass(enabled=False, reason=reason, detail=detail or records.ABSENT))
 
 
-def tap(call: calls.Call, current: settings.Settings, scope: hold.Scope | None) -> Tap:
+def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | None) -> Tap:
     """The target's one pass, or why there is none; the hold joins ``scope``."""
     setting = int(current.hold_budget.value)
     if setting <= 0:

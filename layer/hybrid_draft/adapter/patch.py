@@ -23,8 +23,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from hybrid_draft import __version__, settings
-from hybrid_draft.adapter import calls, load, parts, stats
+from hybrid_draft.adapter import calls, load, parts
 from hybrid_draft.adapter.internals import TARGET, shape_problem, vllm_version
+from hybrid_draft.core import figures
 from hybrid_draft.events import emit
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ def wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        if stats.current() is not None:  # inside a load this layer decided
+        if figures.current() is not None:  # inside a load this layer decided
             return original(self, vllm_config, model_config, *args, **kwargs)
 
         def proceed(load_config: LoadConfig | None) -> Any:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from hybrid_draft import policy
 from hybrid_draft.adapter import calls, internals
+from hybrid_draft.core import policy
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

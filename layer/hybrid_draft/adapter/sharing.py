@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_draft.adapter import internals
+from hybrid_draft.core.planning import SHARED_KINDS
 from hybrid_draft.events import Sink, emit
-from hybrid_draft.planning import SHARED_KINDS
 
 #: The draft's parameters the proposer replaces, by kind: module paths as prefixes, with
 #: ``*`` standing for an MTP layer's key.

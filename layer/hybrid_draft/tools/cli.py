@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from hybrid_draft import policy
+from hybrid_draft.core import policy
 from hybrid_draft.tools import args as types
 
 #: Set to a non-empty value other than 0 to see the traceback of an unexpected error.

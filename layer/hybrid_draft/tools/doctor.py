@@ -154,8 +154,8 @@ def check_formats() -> Check:
     """Which target formats' drafts the layer reads filtered here, and which it leaves to
     vLLM (a library missing, too old, or kept by ``keep_formats``): informational, it passes
     (a format left to vLLM loads as it would without the layer)."""
-    from hybrid_draft import policy
     from hybrid_draft.adapter import loaders
+    from hybrid_draft.core import policy
 
     try:
         keep = tuple(settings.load().keep_formats.value)

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybrid_draft import checkpoint, files
+from hybrid_draft import files
 from hybrid_draft.adapter import internals, rules, selective, sharing
 from hybrid_draft.adapter.drafts import OWN_CHECKPOINT, is_mtp, mtp_layers
-from hybrid_draft.planning import DraftPlan
+from hybrid_draft.core import checkpoint
+from hybrid_draft.core.planning import DraftPlan
 
 CONFIG_NAME = "config.json"
 
@@ -295,7 +296,7 @@ def for_object_store(
     (``adapter.objectstore``), no tensor.
 
     Raises ``checkpoint.CheckpointError`` or :class:`PlanError` naming ``uri``."""
-    from hybrid_draft.adapter import objectstore
+    from hybrid_draft.core import objectstore
 
     try:
         objectstore.pull_configs(uri, config_dir)

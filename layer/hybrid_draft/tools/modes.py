@@ -36,9 +36,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybrid_draft import policy
-from hybrid_draft.checkpoint import Selection, Shard
-from hybrid_draft.planning import DraftPlan, Rule, counts
+from hybrid_draft.core import policy
+from hybrid_draft.core.checkpoint import Selection, Shard
+from hybrid_draft.core.planning import DraftPlan, Rule, counts
 
 
 @dataclass(frozen=True)

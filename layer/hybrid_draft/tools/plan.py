@@ -37,10 +37,10 @@ def _fail(message: str) -> int:
 def _plan_checkpoint(args: argparse.Namespace) -> int:
     import os
 
-    from hybrid_draft import checkpoint, policy, settings
-    from hybrid_draft.adapter import stats
+    from hybrid_draft import settings
+    from hybrid_draft.core import checkpoint, figures, policy
 
-    remote = stats.is_object_uri(args.model_dir)
+    remote = figures.is_object_uri(args.model_dir)
     load_format = args.load_format or (policy.RUNAI_STREAMER if remote else policy.INSTANTTENSOR)
     if remote and load_format != policy.RUNAI_STREAMER:
         return _fail(

@@ -38,7 +38,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_draft import files, policy
+from hybrid_draft import files
+from hybrid_draft.core import policy
 from hybrid_draft.tools import args as types
 from hybrid_draft.tools import report
 

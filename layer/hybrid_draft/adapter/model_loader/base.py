@@ -2,10 +2,10 @@
 the reader of the draft's primary weights.
 
 Imported only after vLLM is (``loaders.register``). :class:`PlannedDraftLoader` takes the
-draft's :class:`~hybrid_draft.adapter.draftread.DraftRead`, decides what the hold gives and
-what storage must give (the plan's selection: kept tensors, less the held, the replaced and
-other ranks' experts), counts both, and checks the skip of replaced tensors after vLLM's
-``load_weights``. A subclass per target format says only how storage is read
+draft's :class:`~hybrid_draft.core.draftread.DraftRead` and hands the core
+(``core/draftload.py``) what only vLLM knows: which experts this rank skips. The core splits
+the read between the hold and storage and counts both; this class checks the skip of
+replaced tensors after vLLM's ``load_weights``. A subclass per target format says only how storage is read
 (:meth:`PlannedDraftLoader.read`); each names the load format it is registered under.
 """
 
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from hybrid_draft import checkpoint, planning
-from hybrid_draft.adapter import calls, hold, internals, readers, sharing, stats
-from hybrid_draft.adapter.draftread import DraftRead, current
-from hybrid_draft.adapter.readers import Weights
+from hybrid_draft.adapter import calls, internals, loadscope, sharing
+from hybrid_draft.core import checkpoint, draftload, figures, planning
+from hybrid_draft.core.draftread import DraftRead, current
+from hybrid_draft.core.readers import Weights
 from hybrid_draft.events import emit
 
 if TYPE_CHECKING:
@@ -28,11 +28,6 @@ if TYPE_CHECKING:
     from vllm.config.model import ModelConfig
 
     Source = DefaultModelLoader.Source
-
-
-def _add(counts: dict[str, int], tensor: Any) -> None:
-    counts["tensors"] += 1
-    counts["bytes"] += hold.nbytes(tensor)
 
 
 class PlannedDraftLoader(DefaultModelLoader):
@@ -61,57 +56,26 @@ class PlannedDraftLoader(DefaultModelLoader):
         ):
             return super()._get_weights_iterator(source)
         local = self.local_expert_ids
-        held = read.hold
-        taking = [
-            t.name
-            for t in read.plan.kept
-            if held is not None
-            and t.name in held.tensors
-            and t.name not in read.skipped
-            and not internals.should_skip_weight(t.name, local)
-        ]
-        from_hold = set(taking)
-        selection = read.plan.selection(
-            skip=lambda n: n in from_hold or internals.should_skip_weight(n, local),
-            replaced=read.skipped,
-        )
+        planned = draftload.reads(read, lambda n: internals.should_skip_weight(n, local))
         files = [s.location for s in read.plan.shards]
-        stats.resolved(files, {s.location: s.size for s in read.plan.shards})
-        stats.dropped(set(files) - set(selection.files))
+        figures.resolved(files, {s.location: s.size for s in read.plan.shards})
+        figures.dropped(set(files) - set(planned.selection.files))
         if self.counter_before_loading_weights == 0.0:
             self.counter_before_loading_weights = time.perf_counter()
-        return self._weights(read, taking, selection)
-
-    def _weights(
-        self, read: DraftRead, taking: list[str], selection: checkpoint.Selection
-    ) -> Weights:
-        missed = []
-        for name in taking:
-            tensor = read.hold.take(name) if read.hold is not None else None
-            if tensor is None:  # released meanwhile: read from storage after all
-                missed.append(name)
-                continue
-            _add(read.sources["stream"], tensor)
-            yield name, tensor
-        if missed:
-            yield from self._count(read, self.read_names(read.plan, missed))
-        yield from self._count(read, self.read(selection))
-
-    @staticmethod
-    def _count(read: DraftRead, weights: Iterable[tuple[str, Any]]) -> Weights:
-        for name, tensor in weights:
-            _add(read.sources["storage"], tensor)
-            yield name, tensor
+        return draftload.weights(read, planned, self.read)
 
     def read(self, selection: checkpoint.Selection) -> Weights:
         raise NotImplementedError
 
+    @property
+    def progress(self) -> bool:
+        """Whether this rank shows a progress bar for the read: vLLM's answer."""
+        return internals.enable_tqdm(self.load_config.use_tqdm_on_load)
+
     def read_names(self, plan: planning.DraftPlan, names: Iterable[str]) -> Weights:
-        """The named checkpoint tensors, from storage (the skip's fallback)."""
-        wanted = set(names)
-        return readers.lazy_filtered_iterator(
-            checkpoint.selection(plan.shards, lambda t: t.name in wanted), False
-        )
+        """The named checkpoint tensors, from storage by this format's reader (the skip's
+        fallback)."""
+        return self.read(draftload.by_name(plan, names))
 
     # -- the load ---------------------------------------------------------------------
 
@@ -119,10 +83,7 @@ class PlannedDraftLoader(DefaultModelLoader):
         self.draft = read = current()
         replaceable: dict[str, str] = {}
         if read is not None:
-            read.sources = {
-                key: {"tensors": 0, "bytes": 0}
-                for key in ("storage", "stream", "replaced_by_target")
-            }
+            read.sources = draftload.empty_sources()
         if read is not None and read.plan.replaced:
             # The built model's own attributes are what vLLM's proposer looks at.
             kinds = read.plan.shared & sharing.expected(
@@ -177,7 +138,7 @@ class PlannedDraftLoader(DefaultModelLoader):
         if loaded is not None and not self._complete(model, model_config, loaded | pending):
             names = list(read.skipped)
             with sharing.partial_load():
-                more = load(self._count(read, self.read_names(read.plan, names)))
+                more = load(draftload.counted(read, self.read_names(read.plan, names)))
             emit(
                 "hybrid_draft.replaced_fallback",
                 "warning",
@@ -205,7 +166,7 @@ class PlannedDraftLoader(DefaultModelLoader):
             read=lambda names: self.read_names(read.plan, names),
             sink=read.sink,
         )
-        scope = hold.current()
+        scope = loadscope.current()
         if scope is not None:
             scope.skipped.append(skipped)
         else:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import torch
 from vllm.config import get_current_vllm_config
 
-from hybrid_draft import checkpoint
-from hybrid_draft.adapter import readers
-from hybrid_draft.adapter.draftread import FASTSAFETENSORS_FILTERED
 from hybrid_draft.adapter.model_loader.base import PlannedDraftLoader
-from hybrid_draft.adapter.readers import Weights
+from hybrid_draft.core import checkpoint, readers
+from hybrid_draft.core.draftread import FASTSAFETENSORS_FILTERED
+from hybrid_draft.core.readers import Weights
 
 
 def draft_device(device: str | None) -> torch.device:
@@ -31,5 +30,5 @@ class FilteredFastsafetensorsLoader(PlannedDraftLoader):
         if not selection.files:
             return iter(())  # type: ignore[return-value]
         return readers.fastsafetensors_filtered_iterator(
-            selection, draft_device(self.load_config.device), self.load_config.use_tqdm_on_load
+            selection, draft_device(self.load_config.device), self.progress
         )

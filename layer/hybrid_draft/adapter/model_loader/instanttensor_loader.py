@@ -13,11 +13,11 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from hybrid_draft import checkpoint, policy
-from hybrid_draft.adapter import internals, readers
-from hybrid_draft.adapter.draftread import SELECTIVE, UNGROUPED
+from hybrid_draft.adapter import internals
 from hybrid_draft.adapter.model_loader.base import PlannedDraftLoader
-from hybrid_draft.adapter.readers import Weights
+from hybrid_draft.core import checkpoint, policy, readers
+from hybrid_draft.core.draftread import SELECTIVE, UNGROUPED
+from hybrid_draft.core.readers import Weights
 
 if TYPE_CHECKING:
     from vllm.config.load import LoadConfig
@@ -38,9 +38,7 @@ class SelectiveInstantTensorLoader(PlannedDraftLoader):
         )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return readers.instanttensor_selective_iterator(
-            selection, device, self.load_config.use_tqdm_on_load
-        )
+        return readers.instanttensor_selective_iterator(selection, device, self.progress)
 
 
 class UngroupedInstantTensorLoader(DefaultModelLoader):
@@ -91,8 +89,10 @@ class UngroupedInstantTensorLoader(DefaultModelLoader):
         weights = readers.instanttensor_ungrouped_iterator(
             files,
             current_platform.current_device(),
-            self.load_config.use_tqdm_on_load,
+            internals.enable_tqdm(self.load_config.use_tqdm_on_load),
             self.local_expert_ids,
             bool(engram and getattr(engram, "cpu_offload", False)),
+            internals.should_skip_weight,
+            internals.engram_pattern(),
         )
         return ((source.prefix + name, tensor) for name, tensor in weights)

@@ -4,11 +4,10 @@ are read and shards without a draft tensor are never opened."""
 
 from __future__ import annotations
 
-from hybrid_draft import checkpoint
-from hybrid_draft.adapter import readers
-from hybrid_draft.adapter.draftread import RUNAI_FILTERED
 from hybrid_draft.adapter.model_loader.base import PlannedDraftLoader
-from hybrid_draft.adapter.readers import Weights
+from hybrid_draft.core import checkpoint, readers
+from hybrid_draft.core.draftread import RUNAI_FILTERED
+from hybrid_draft.core.readers import Weights
 
 
 class FilteredRunaiStreamerLoader(PlannedDraftLoader):
@@ -20,4 +19,4 @@ class FilteredRunaiStreamerLoader(PlannedDraftLoader):
     def read(self, selection: checkpoint.Selection) -> Weights:
         if not selection.files:
             return iter(())  # type: ignore[return-value]
-        return readers.runai_filtered_iterator(selection, self.load_config.use_tqdm_on_load)
+        return readers.runai_filtered_iterator(selection, self.progress)

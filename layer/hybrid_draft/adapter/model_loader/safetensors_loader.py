@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-from hybrid_draft import checkpoint
-from hybrid_draft.adapter import readers
-from hybrid_draft.adapter.draftread import FILTERED
 from hybrid_draft.adapter.model_loader.base import PlannedDraftLoader
-from hybrid_draft.adapter.readers import Weights
+from hybrid_draft.core import checkpoint, readers
+from hybrid_draft.core.draftread import FILTERED
+from hybrid_draft.core.readers import Weights
 
 
 class FilteredSafetensorsLoader(PlannedDraftLoader):
@@ -16,4 +15,4 @@ class FilteredSafetensorsLoader(PlannedDraftLoader):
     load_format = FILTERED
 
     def read(self, selection: checkpoint.Selection) -> Weights:
-        return readers.lazy_filtered_iterator(selection, self.load_config.use_tqdm_on_load)
+        return readers.lazy_filtered_iterator(selection, self.progress)

@@ -123,7 +123,7 @@ MODEL = "DeepSeek-V3"
 def shares(layout: Any) -> dict[str, float]:
     """A DeepSeek-V3 layout's shares of the checkpoint's bytes: the draft's own tensors
     (its MTP layer but the embedding and shared head) and each replaced one."""
-    from hybrid_draft.planning import shared_kind
+    from hybrid_draft.core.planning import shared_kind
 
     draft = set(layout.is_mtp) | {"model.embed_tokens.weight"}
     sizes = {t.name: t.nbytes for t in layout.tensors}
@@ -239,7 +239,7 @@ def vllm_available() -> bool:
 def draft_plan(directory: Path) -> dict[str, Any]:
     """The draft's tensors by the product's own plan (vLLM's draft class and rule), or,
     without vLLM, the names the layout recorded for DeepSeekMTP."""
-    from hybrid_draft import checkpoint, planning
+    from hybrid_draft.core import checkpoint, planning
     from hybrid_draft.tools import modes
 
     if vllm_available():

@@ -175,7 +175,7 @@ def _s3_plan(spec: dict[str, Any]) -> Any:
     requests (``objectstore``), as a served load of an ``s3://`` checkpoint plans it."""
     import dataclasses
 
-    from hybrid_draft.adapter import objectstore
+    from hybrid_draft.core import objectstore
 
     local = _plan(spec)
     where = spec["s3"]["files"]
@@ -375,10 +375,10 @@ def held_names(model_dir: str) -> frozenset[str]:
     """The tensors a served load's target stream keeps for its draft (this rank's)."""
     from vllm.config import set_current_vllm_config
 
-    from hybrid_draft.adapter import hold
+    from hybrid_draft.adapter import loadscope
 
     config = served_configs(model_dir)
-    with set_current_vllm_config(config), hold.scope():
+    with set_current_vllm_config(config), loadscope.scope():
         tap = target_load(config).tap
         return tap.wanted if tap is not None else frozenset()
 
@@ -427,7 +427,8 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
 
     from vllm.config import set_current_vllm_config
 
-    from hybrid_draft.adapter import hold, stats
+    from hybrid_draft.adapter import loadscope
+    from hybrid_draft.core import figures
 
     target_format, draft_format, s3 = ONE_PASS[spec["strategy"]]
     plan = _s3_plan(spec) if s3 else _plan(spec)
@@ -442,18 +443,18 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
     buffers = _buffers(spec, "cpu", {t.name for t in own})
     files = spec["files_all"]
 
-    def target_pass(decided: Any, figures: dict[str, list[Any]] | None = None) -> float:
+    def target_pass(decided: Any, wire: dict[str, list[Any]] | None = None) -> float:
         """One target pass, tapped when ``decided`` (its load) holds for the draft, as a
-        served load's run taps it; with ``figures``, its bytes over the wire added."""
+        served load's run taps it; with ``wire``, its bytes over the wire added."""
         chars, start = pagecache.read_chars(), time.perf_counter()
-        with stats.measuring() as cost:
+        with figures.measuring() as cost:
             cost.observe = decided.tap.offer if decided is not None else None
             for _ in target.get_all_weights(model_config, target_model):
                 pass
         seconds = time.perf_counter() - start
-        if figures is not None:
-            figures["target_network_bytes"].append(pagecache.read_chars() - chars)
-            figures["target_product_network_bytes"].append(cost.network)
+        if wire is not None:
+            wire["target_network_bytes"].append(pagecache.read_chars() - chars)
+            wire["target_product_network_bytes"].append(cost.network)
         return seconds
 
     out: dict[str, Any] = {
@@ -490,7 +491,7 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
             if not tapped:
                 out["untapped_target_seconds"].append(target_pass(None))
                 continue
-            with set_current_vllm_config(config), hold.scope():
+            with set_current_vllm_config(config), loadscope.scope():
                 decided = target_load(config)
                 held = decided.tap
                 if held is None:
@@ -500,7 +501,7 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
                 current[0] = held
                 chars = pagecache.read_chars()
                 before, start = pagecache.read_bytes(), time.perf_counter()
-                with stats.measuring() as cost:
+                with figures.measuring() as cost:
                     for name, tensor in draft():
                         buffers[name].copy_(tensor)
                 out["seconds"].append(time.perf_counter() - start)
@@ -696,7 +697,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     gpu = spec["strategy"] in GPU_STRATEGIES
     network = spec["strategy"] in S3_STRATEGIES
     if network:
-        from hybrid_draft.adapter import stats
+        from hybrid_draft.core import figures
 
         out.update(network_bytes=[], product_network_bytes=[])
     # One untimed cold run first: a process's first run also pays one-time costs (code paged
@@ -715,7 +716,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         if network:  # the bytes over the wire: the socket reads, and the product's count
             chars = pagecache.read_chars()
             start = time.perf_counter()
-            with stats.measuring() as cost:
+            with figures.measuring() as cost:
                 run()
             out["seconds"].append(time.perf_counter() - start)
             out["network_bytes"].append(pagecache.read_chars() - chars)

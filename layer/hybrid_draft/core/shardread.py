@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybrid_draft import checkpoint, files
+from hybrid_draft import files
+from hybrid_draft.core import checkpoint
 
 #: safetensors' dtype names and the torch dtype ``safe_open`` gives for each (by name:
 #: older torch builds lack some; a tensor of one they lack cannot be read there either).

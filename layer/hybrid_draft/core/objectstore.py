@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybrid_draft import checkpoint, files
+from hybrid_draft import files
+from hybrid_draft.core import checkpoint
 
 
 def _chunks(requests: Sequence[tuple[int, str, int, int]]) -> dict[int, bytes]:

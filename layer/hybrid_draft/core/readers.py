@@ -1,46 +1,41 @@
-"""The draft loaders' weight readers: iterators of ``(name, tensor)``, one per read path.
+"""The draft's weight readers: iterators of ``(name, tensor)``, one per read path.
 
-No vLLM import at module level: the loader classes (``model_loader/``) call these, and
-``bench`` and the tests call them directly. Each reads only what it is handed: a plan's
-selection (its shards, its tensors and their byte ranges) or, for the ungrouped
-InstantTensor load, vLLM's own list of files.
+No vLLM import: each needs torch and its format's own library alone. The adapter's loader
+classes (``adapter/model_loader/``) call these with what vLLM decided (whether to show a
+progress bar, which experts this rank skips); ``bench``, ``scripts/gpu-check.sh`` and the
+tests call them directly. Each reads only what it is handed: a plan's selection (its
+shards, its tensors and their byte ranges) or, for the ungrouped InstantTensor load,
+vLLM's own list of files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import re
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
 
-from hybrid_draft import checkpoint
-from hybrid_draft.adapter import internals, shardread, stats
+from hybrid_draft.core import checkpoint, figures, shardread
 
 Weights = Generator[tuple[str, torch.Tensor], None, None]
 
 
-def _tqdm(total: int, desc: str, use_tqdm: bool, **kwargs: Any) -> Any:
+def _tqdm(total: int, desc: str, progress: bool, **kwargs: Any) -> Any:
+    """A progress bar, shown only where ``progress`` (the caller asked vLLM, or not)."""
     from tqdm.auto import tqdm
 
-    return tqdm(
-        total=total,
-        desc=desc,
-        mininterval=1.0,
-        disable=not internals.enable_tqdm(use_tqdm),
-        **kwargs,
-    )
+    return tqdm(total=total, desc=desc, mininterval=1.0, disable=not progress, **kwargs)
 
 
-def lazy_filtered_iterator(
-    selection: checkpoint.Selection, use_tqdm_on_load: bool = True
-) -> Weights:
+def lazy_filtered_iterator(selection: checkpoint.Selection, progress: bool = False) -> Weights:
     """Read each selected shard's kept tensors, in file order, with explicit reads of their
     planned byte ranges (``shardread``): a shard that shrinks meanwhile raises, naming it.
     One pool of read memory serves the whole selection."""
     with _tqdm(
         len(selection.tensors),
         "Loading the draft's tensors (safetensors, filtered)",
-        use_tqdm_on_load,
+        progress,
         unit="shard",
     ) as bar:
         buffers = shardread.Buffers()
@@ -50,7 +45,7 @@ def lazy_filtered_iterator(
 
 
 def instanttensor_selective_iterator(
-    selection: checkpoint.Selection, device: torch.device, use_tqdm_on_load: bool = True
+    selection: checkpoint.Selection, device: torch.device, progress: bool = False
 ) -> Weights:
     """Stream exactly the selected tensors to ``device`` with InstantTensor.
 
@@ -72,7 +67,7 @@ def instanttensor_selective_iterator(
         _tqdm(
             getattr(f, "total_tensor_size", None) or selection.nbytes,
             "Loading the draft's tensors using InstantTensor (selective)",
-            use_tqdm_on_load,
+            progress,
             unit="B",
             unit_scale=True,
             unit_divisor=1024,
@@ -86,9 +81,11 @@ def instanttensor_selective_iterator(
 def instanttensor_ungrouped_iterator(
     files: list[str],
     device: torch.device,
-    use_tqdm_on_load: bool = True,
+    progress: bool = False,
     local_expert_ids: set[int] | None = None,
     load_engram_on_cpu: bool = False,
+    should_skip_weight: Callable[[str, set[int] | None], bool] = lambda _n, _e: False,
+    engram: re.Pattern[str] | None = None,
 ) -> Weights:
     """vLLM 0.33's ``instanttensor_weights_iterator`` with ``process_group=None``.
 
@@ -101,8 +98,6 @@ def instanttensor_ungrouped_iterator(
     import instanttensor
     from safetensors import safe_open
 
-    should_skip_weight = internals.should_skip_weight
-    engram = internals.engram_pattern()
     gpu_names: list[str] = []
     cpu_weights: dict[str, list[str]] = {}
     for path in files:
@@ -134,7 +129,7 @@ def instanttensor_ungrouped_iterator(
             _tqdm(
                 getattr(f, "total_tensor_size", None) or 0,
                 "Loading the draft using InstantTensor (this pipeline stage only)",
-                use_tqdm_on_load,
+                progress,
                 unit="B",
                 unit_scale=True,
                 unit_divisor=1024,
@@ -150,7 +145,7 @@ def instanttensor_ungrouped_iterator(
 
 
 def fastsafetensors_filtered_iterator(
-    selection: checkpoint.Selection, device: torch.device, use_tqdm_on_load: bool = True
+    selection: checkpoint.Selection, device: torch.device, progress: bool = False
 ) -> Weights:
     """Read exactly the selected tensors with fastsafetensors, shard by shard.
 
@@ -165,7 +160,7 @@ def fastsafetensors_filtered_iterator(
     with _tqdm(
         len(selection.tensors),
         "Loading the draft's tensors (fastsafetensors, filtered)",
-        use_tqdm_on_load,
+        progress,
         unit="shard",
     ) as bar:
         for path, tensors in selection.tensors.items():
@@ -187,13 +182,11 @@ def fastsafetensors_filtered_iterator(
             bar.update(1)
 
 
-def runai_filtered_iterator(
-    selection: checkpoint.Selection, use_tqdm_on_load: bool = True
-) -> Weights:
+def runai_filtered_iterator(selection: checkpoint.Selection, progress: bool = False) -> Weights:
     """Stream exactly the selected tensors with Run:ai's Model Streamer (0.17's
     ``tensor_names``): it reads each shard's header, then only the kept tensors' byte ranges,
     from local files or object storage (the selection's shards are addressed as the
-    streamer opens them), the bytes from object storage counted (``stats.received``).
+    streamer opens them), the bytes from object storage counted (``figures.received``).
 
     Onto the CPU, as vLLM's own Run:ai iterator does outside distributed streaming; the
     tensors are the caller's (``owned=True``), so none is copied again.
@@ -206,11 +199,11 @@ def runai_filtered_iterator(
         _tqdm(
             len(selection.names),
             "Loading the draft's tensors (Run:ai Model Streamer, filtered)",
-            use_tqdm_on_load,
+            progress,
             unit="tensor",
         ) as bar,
     ):
         streamer.stream_files(paths, device="cpu", tensor_names=selection.names)
-        for name, tensor in stats.received(paths, streamer.get_tensors()):
+        for name, tensor in figures.received(paths, streamer.get_tensors()):
             bar.update(1)
             yield name, tensor

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-from hybrid_draft.checkpoint import Selection, Shard, TensorInfo
+from hybrid_draft.core.checkpoint import Selection, Shard, TensorInfo
 
 Rule = Callable[[str], bool]
 Blocker = tuple[str, str]  # (stable code, detail)

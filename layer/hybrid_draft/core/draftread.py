@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from hybrid_draft import planning, policy
-from hybrid_draft.adapter import hold
+from hybrid_draft.core import hold, planning, policy
 from hybrid_draft.events import Sink
 
 #: The load formats the layer's loaders are registered under.

@@ -1,43 +1,31 @@
-"""One pass: the draft's tensors taken from the target's stream, and the load scope.
+"""One pass: the draft's tensors kept from the target's stream (a :class:`Hold`).
 
 With ``--load-format instanttensor`` the target's pass streams every tensor of every shard
-to the device (vLLM's ``instanttensor_weights_iterator``, ``copy=True``), the draft's own
-tensors included, and the target's ``load_weights`` drops those; fastsafetensors and the
-Run:ai Model Streamer stream every tensor of the shards they open too. When a
-same-checkpoint draft will follow in this process, the layer keeps them as the stream
-yields them (a :class:`Hold`: references to the very tensors vLLM's iterator made, or a
-copy of a tensor that is a view into a larger buffer, :func:`own`; the target's load
-otherwise unchanged tensor for tensor) and the draft's load takes them from memory instead
-of storage. What is held is capped by the ``hold_budget`` setting and by a
-quarter of the memory the target leaves free; what does not fit is read by the filtered
-path. Each rank holds only what its own draft load takes (its experts, under expert
-parallelism); only the last pipeline stage, which alone builds the draft, holds anything.
+to the device, the draft's own tensors included, and the target's ``load_weights`` drops
+those; fastsafetensors and the Run:ai Model Streamer stream every tensor of the shards they
+open too. When a same-checkpoint draft will follow in this process, the layer keeps them as
+the stream yields them (:meth:`Hold.offer`: references to the very tensors the stream made,
+or a copy of a tensor that is a view into a larger buffer, :func:`own`) and the draft's load
+takes them (:meth:`Hold.take`) instead of reading storage. What is held is capped by the
+``hold_budget`` setting and by a quarter of the memory the target leaves free
+(:func:`effective_budget`); what does not fit is read by the filtered path.
 
-Holding needs a :func:`scope`: the model runner's ``load_model`` (the layer wraps vLLM's
-GPU, CPU and v2 runners), inside which the target and then the draft are loaded. Held
-tensors are released when the draft's load ends or fails, and at the latest when the
-scope closes (no draft load followed), with a ``hybrid_draft.hold_released`` event. The
-scope also settles the draft's skipped parameters (``sharing.settle``) once the proposer
-has had its chance to replace them.
+No vLLM import: a hold needs only its plan and the tensors offered to it, so the one-pass
+tap runs on any stream (``tools/bench``, ``scripts/gpu-check.sh``). Where a hold lives (the
+model runner's load scope) is the adapter's (``adapter/scope.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hybrid_draft import records
-from hybrid_draft.adapter import sharing
+from hybrid_draft.core.planning import DraftPlan
 from hybrid_draft.events import Sink, emit
-from hybrid_draft.planning import DraftPlan
 from hybrid_draft.settings import Settings
-
-if TYPE_CHECKING:
-    from vllm.config import ModelConfig
 
 #: The share of the memory left after the target's weights that a hold may take.
 FREE_SHARE = 4
@@ -64,7 +52,7 @@ class Hold:
 
     plan: DraftPlan
     #: The draft this hold is for: vLLM's ``speculative_config.draft_model_config``.
-    draft_model_config: ModelConfig | None
+    draft_model_config: Any
     #: The names to keep as the stream yields them (the plan's, this rank's, in budget).
     wanted: frozenset[str]
     budget: int
@@ -89,7 +77,7 @@ class Hold:
     def of(
         cls,
         plan: DraftPlan,
-        draft_model_config: ModelConfig | None,
+        draft_model_config: Any,
         budget: int,
         skip: Callable[[str], bool],
         current: Settings,
@@ -169,58 +157,6 @@ class Hold:
         )
 
 
-@dataclass
-class Scope:
-    """One model runner's ``load_model``: the holds made in it and the skips to settle."""
-
-    holds: list[Hold] = field(default_factory=list)
-    skipped: list[sharing.Skipped] = field(default_factory=list)
-
-    def hold_for(self, draft_model_config: ModelConfig) -> Hold | None:
-        return next(
-            (
-                h
-                for h in self.holds
-                if h.draft_model_config is draft_model_config and not h.released
-            ),
-            None,
-        )
-
-    def release(self, reason: str) -> None:
-        for hold in self.holds:
-            hold.release(reason)
-
-    def close(self) -> None:
-        try:
-            for skipped in self.skipped:
-                sharing.settle(skipped)
-        finally:
-            self.release("no draft load followed the target's in this load scope")
-
-
-_SCOPE: ContextVar[Scope | None] = ContextVar("hybrid_draft_load_scope", default=None)
-
-
-def current() -> Scope | None:
-    return _SCOPE.get()
-
-
-@contextlib.contextmanager
-def scope() -> Iterator[Scope]:
-    """A load scope (nested scopes are the outer one): holds live at most this long."""
-    outer = _SCOPE.get()
-    if outer is not None:
-        yield outer
-        return
-    inner = Scope()
-    token = _SCOPE.set(inner)
-    try:
-        yield inner
-    finally:
-        _SCOPE.reset(token)
-        inner.close()
-
-
 def free_memory(device: Any) -> int | None:
     """Bytes free on ``device`` now: the CUDA allocator's view, else the host's."""
     try:
@@ -241,34 +177,3 @@ def effective_budget(setting: int, free: int | None, target_bytes: int) -> int:
     if free is None:
         return setting
     return max(0, min(setting, (free - target_bytes) // FREE_SHARE))
-
-
-def on_runner(module: Any) -> None:
-    """Post-import hook for vLLM's model runner modules: their ``load_model`` is a scope."""
-    for cls in vars(module).values():
-        if (
-            isinstance(cls, type)
-            and cls.__module__ == module.__name__
-            and "load_model" in vars(cls)
-            and cls.__name__.endswith("ModelRunner")
-        ):
-            wrap_runner(cls)
-
-
-_WRAPPED = "__hybrid_draft_scope__"
-
-
-def wrap_runner(cls: type) -> None:
-    import functools
-
-    original = cls.load_model  # type: ignore[attr-defined]
-    if getattr(original, _WRAPPED, False):
-        return
-
-    @functools.wraps(original)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with scope():
-            return original(self, *args, **kwargs)
-
-    setattr(load_model, _WRAPPED, True)
-    cls.load_model = load_model  # type: ignore[attr-defined]

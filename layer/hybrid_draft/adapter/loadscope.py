@@ -1,0 +1,107 @@
+"""The load scope: the model runner's ``load_model``, inside which the target and then its
+draft are loaded.
+
+A one-pass :class:`~hybrid_draft.core.hold.Hold` lives at most as long as the scope it was
+made in: held tensors are released when the draft's load ends or fails, and at the latest
+when the scope closes (no draft load followed), with a ``hybrid_draft.hold_released``
+event. The scope also settles the draft's skipped parameters (``sharing.settle``) once the
+proposer has had its chance to replace them. The bootstrap hooks vLLM's GPU, CPU and v2
+model runners (:func:`on_runner`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hybrid_draft.adapter import sharing
+from hybrid_draft.core import hold
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig
+
+
+@dataclass
+class Scope:
+    """One model runner's ``load_model``: the holds made in it and the skips to settle."""
+
+    holds: list[hold.Hold] = field(default_factory=list)
+    skipped: list[sharing.Skipped] = field(default_factory=list)
+
+    def hold_for(self, draft_model_config: ModelConfig) -> hold.Hold | None:
+        return next(
+            (
+                h
+                for h in self.holds
+                if h.draft_model_config is draft_model_config and not h.released
+            ),
+            None,
+        )
+
+    def release(self, reason: str) -> None:
+        for held in self.holds:
+            held.release(reason)
+
+    def close(self) -> None:
+        try:
+            for skipped in self.skipped:
+                sharing.settle(skipped)
+        finally:
+            self.release("no draft load followed the target's in this load scope")
+
+
+_SCOPE: ContextVar[Scope | None] = ContextVar("hybrid_draft_load_scope", default=None)
+
+
+def current() -> Scope | None:
+    return _SCOPE.get()
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[Scope]:
+    """A load scope (nested scopes are the outer one): holds live at most this long."""
+    outer = _SCOPE.get()
+    if outer is not None:
+        yield outer
+        return
+    inner = Scope()
+    token = _SCOPE.set(inner)
+    try:
+        yield inner
+    finally:
+        _SCOPE.reset(token)
+        inner.close()
+
+
+def on_runner(module: Any) -> None:
+    """Post-import hook for vLLM's model runner modules: their ``load_model`` is a scope."""
+    for cls in vars(module).values():
+        if (
+            isinstance(cls, type)
+            and cls.__module__ == module.__name__
+            and "load_model" in vars(cls)
+            and cls.__name__.endswith("ModelRunner")
+        ):
+            wrap_runner(cls)
+
+
+_WRAPPED = "__hybrid_draft_scope__"
+
+
+def wrap_runner(cls: type) -> None:
+    import functools
+
+    original = cls.load_model  # type: ignore[attr-defined]
+    if getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with scope():
+            return original(self, *args, **kwargs)
+
+    setattr(load_model, _WRAPPED, True)
+    cls.load_model = load_model  # type: ignore[attr-defined]
