@@ -93,6 +93,33 @@ def test_vllm_model_loader_import_wraps_get_model_even_with_a_bad_config() -> No
     assert patched["vllm_version"] == version("vllm")
 
 
+def test_importing_vllms_model_loader_imports_nothing_a_load_needs() -> None:
+    """The hook runs inside vLLM's import, in every process that imports its model loader:
+    it wraps and registers, and leaves structlog, the settings file's parser, the load path,
+    the plan and the readers to the first load."""
+    out = python(
+        """
+        import sys
+        import vllm.model_executor.model_loader as loader
+        wrapped = loader.get_model.__hybrid_draft_wrapped__
+        heavy = ["structlog", "tomllib", "hybrid_draft.settings", "hybrid_draft.adapter.load",
+                 "hybrid_draft.adapter.parts", "hybrid_draft.core.planning",
+                 "hybrid_draft.core.readers", "hybrid_draft.core.hold",
+                 "hybrid_draft.adapter.model_loader"]
+        print(wrapped, [m for m in heavy if m in sys.modules])
+        from vllm.config import LoadConfig
+        from vllm.model_executor.model_loader import get_model_loader
+        built = type(get_model_loader(LoadConfig(load_format="safetensors_filtered")))
+        print(built.__name__)
+    """
+    )
+    lines = out.stdout.splitlines()
+    assert lines[0] == "True []"
+    assert lines[1] == "FilteredSafetensorsLoader"  # the real loader, built when asked
+    kinds = [e["event"] for e in events_in(out.stderr)]
+    assert kinds == ["hybrid_draft.activated", "hybrid_draft.patched"]  # written at exit
+
+
 def test_spawned_and_forked_children_are_patched(tmp_path: Path) -> None:
     script = tmp_path / "children.py"
     script.write_text(
@@ -142,22 +169,37 @@ def test_running_twice_is_harmless() -> None:
 
 
 def test_a_failing_layer_leaves_vllm_working(tmp_path: Path) -> None:
+    """structlog broken in this environment: importing vLLM still works and costs the layer
+    nothing; the first load finds the layer cannot work, says so in one plain line naming
+    why, and the load is vLLM's own (no decision of the layer's)."""
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "structlog.py").write_text("raise ImportError('structlog is broken here')\n")
     out = python(
         """
         import vllm.model_executor.model_loader as loader
-        print(callable(loader.get_model),
-              getattr(loader.get_model, '__hybrid_draft_wrapped__', False))
+        print(callable(loader.get_model))
+        try:
+            loader.get_model(vllm_config="not a VllmConfig")
+        except AttributeError as exc:  # vLLM's own get_model, reading its config
+            print(type(exc).__name__, "has no attribute 'load_config'" in str(exc))
     """,
         env={"PYTHONPATH": str(broken)},
     )
-    assert out.stdout.split() == ["True", "False"]
-    (skipped,) = events_in(out.stderr)
-    assert skipped["event"] == "hybrid_draft.patch_skipped"
+    assert out.stdout.split() == ["True", "AttributeError", "True"]
+    lines = events_in(out.stderr)
+    assert [e["event"] for e in lines] == [
+        "hybrid_draft.activated",
+        "hybrid_draft.patched",
+        "hybrid_draft.patch_skipped",
+    ]
+    skipped = lines[-1]
     assert "structlog is broken here" in skipped["reason"]
+    assert skipped["reason"].endswith("its loads are vLLM's own")
     assert skipped["vllm_version"] == version("vllm")
+    # Each line is plain JSON saying why structlog could not write it, with its own fields.
+    assert all("structlog is broken here" in e["event_error"] for e in lines)
+    assert lines[1]["target"] == "vllm.model_executor.model_loader.get_model"
 
 
 def test_disable_variable_and_late_install() -> None:

@@ -42,7 +42,7 @@ def test_with_pp_2_an_instanttensor_draft_reads_without_the_world_group(
 ) -> None:
     from vllm.model_executor.model_loader import default_loader
 
-    from hybrid_draft.adapter import loaders
+    from hybrid_draft.core import policy
 
     monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", "instanttensor")
     used: list[str] = []
@@ -67,7 +67,7 @@ def test_with_pp_2_an_instanttensor_draft_reads_without_the_world_group(
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
-    assert type(get_model_loader(LoadConfig(load_format=loaders.UNGROUPED))).__name__ == (
+    assert type(get_model_loader(LoadConfig(load_format=policy.UNGROUPED))).__name__ == (
         "UngroupedInstantTensorLoader"
     )
     keeps = rule_keeps(deepseek, loaded.draft)
@@ -173,13 +173,14 @@ def test_the_ungrouped_reader_is_vllms_read_with_no_process_group(
     import instanttensor
     from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
-    from hybrid_draft.adapter import internals, loaders
+    from hybrid_draft.adapter import internals
+    from hybrid_draft.core import readers
 
     recorder = SafeOpen()
     monkeypatch.setattr(instanttensor, "safe_open", recorder)
     files = sorted(str(p) for p in glm.glob("*.safetensors"))
     out = dict(
-        loaders.instanttensor_ungrouped_iterator(
+        readers.instanttensor_ungrouped_iterator(
             files,
             torch.device("cpu"),
             local_expert_ids=experts,

@@ -181,7 +181,7 @@ def test_selective_loader_streams_exactly_the_planned_tensors(
 
     recorder = SafeOpenRecorder()
     monkeypatch.setattr(instanttensor, "safe_open", recorder)
-    loaders.register(loaders.SELECTIVE)
+    loaders.register_all()
     spec = {
         "method": "mtp",
         "num_speculative_tokens": 1,

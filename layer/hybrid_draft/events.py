@@ -8,6 +8,12 @@ be a regular file (a FIFO, a device or a directory there is reported once, as
 ``hybrid_draft.events_file_error``, and not written), it is opened with ``O_NONBLOCK``, and an
 event that cannot be rendered is still written, as a plain line that says why. Lines stay
 whole under any number of writing processes and a full disk (:class:`JsonLinesSink`).
+
+structlog is imported when the first event is written, not with this module: the hook that
+wraps vLLM's model loader runs inside vLLM's import, in every process that imports it, and
+must cost almost nothing there. Its events (``activated``, ``patched``) are deferred
+(:func:`defer`): stamped when they happen, written with structlog before any later event of
+the process, at its first load, and at the latest when it exits.
 """
 
 from __future__ import annotations
@@ -22,11 +28,10 @@ import select
 import stat
 import sys
 import time
-from collections.abc import MutableMapping
-from functools import lru_cache
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from functools import cache, lru_cache
 from typing import Any
-
-import structlog
 
 from hybrid_draft.files import describe
 
@@ -289,14 +294,34 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
 
 
+@cache
+def _timestamper() -> Any:
+    import structlog
+
+    return structlog.processors.TimeStamper(fmt="iso", utc=True)
+
+
+def _stamp(
+    logger: object, method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """structlog's ISO 8601 UTC stamp, unless the event was stamped when it happened (a
+    deferred event, :func:`defer`)."""
+    if "timestamp" in event_dict:
+        return event_dict
+    stamped: MutableMapping[str, Any] = _timestamper()(logger, method, event_dict)
+    return stamped
+
+
 @lru_cache(maxsize=8)
 def logger(level: str = "info", events_file: str | None = None) -> Any:
     """A bound logger for ``level`` and ``events_file``, built once per pair."""
+    import structlog
+
     return structlog.wrap_logger(
         JsonLinesSink(events_file),
         processors=[
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _stamp,
             _add_pid,
             _contract_order,
             structlog.processors.JSONRenderer(sort_keys=False, default=str),
@@ -317,25 +342,104 @@ def emit(event: str, level: str = "info", *, sink: Sink, **fields: Any) -> None:
 
     Never raises: an event whose fields cannot be rendered is written as a plain line
     with ``event_error`` saying why, so a fault here is seen, and never fails the caller.
+    Events deferred in this process are written first, in order.
     """
+    if _deferred().events:
+        flush()
+    _write(event, level, sink, fields)
+
+
+def _write(event: str, level: str, sink: Sink, fields: Mapping[str, Any]) -> None:
     try:
         getattr(logger(*sink), level)(event, **fields)
     except Exception as exc:
-        _fallback(event, level, sink, exc)
+        _fallback(event, level, sink, exc, fields)
 
 
-def _fallback(event: str, level: str, sink: Sink | None, exc: Exception) -> None:
+@cache
+def unavailable() -> str | None:
+    """Why events cannot be written with structlog in this process (None: they can): a
+    process whose structlog is missing or broken gets plain lines saying so, and the layer
+    leaves its loads to vLLM (``adapter.load``)."""
     try:
-        line = json.dumps(
-            {
-                "event": event,
-                "level": level,
-                "timestamp": _now(),
-                "pid": os.getpid(),
-                "event_error": f"{type(exc).__name__}: {exc}",
-            },
-            default=str,
-        )
+        import structlog  # noqa: F401
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@dataclass
+class _Deferred:
+    """This process's deferred events, in order; each with the pid that deferred it (a
+    forked child inherits the list, not the events: they are its parent's)."""
+
+    events: list[tuple[int, str, str, str, Callable[[], Sink], Callable[[], Mapping[str, Any]]]]
+    hooked: bool = False
+
+
+@cache
+def _deferred() -> _Deferred:
+    return _Deferred([])
+
+
+def defer(
+    event: str,
+    level: str = "info",
+    *,
+    sink: Callable[[], Sink],
+    fields: Callable[[], Mapping[str, Any]] = dict,
+) -> None:
+    """Stamp ``event`` now and write it later (:func:`flush`): before the process's next
+    event, and at the latest when it exits (``atexit``, and multiprocessing's exit of a
+    child, which skips ``atexit``). ``sink`` and ``fields`` are asked for then, so what
+    they cost (reading the settings, probing vLLM) is paid by a process that loads, or
+    once at exit. Never raises."""
+    try:
+        state = _deferred()
+        state.events.append((os.getpid(), _now(), event, level, sink, fields))
+        if not state.hooked:
+            state.hooked = True
+            import atexit
+
+            atexit.register(flush)
+            mp_util = sys.modules.get("multiprocessing.util")
+            if mp_util is not None:  # a multiprocessing child ends in os._exit
+                mp_util.Finalize(None, flush, exitpriority=100)
+    except Exception as exc:
+        _fallback(event, level, None, exc)
+
+
+def flush() -> None:
+    """Write this process's deferred events, in order (those a parent deferred before it
+    forked this process are its parent's: dropped). Never raises."""
+    state = _deferred()
+    pid = os.getpid()
+    while state.events:
+        owner, stamped, event, level, sink, fields = state.events.pop(0)
+        if owner != pid:
+            continue
+        try:
+            where, values = sink(), dict(fields())
+        except Exception as exc:
+            _fallback(event, level, None, exc)
+            continue
+        _write(event, level, where, {**values, "timestamp": stamped})
+
+
+def _fallback(
+    event: str,
+    level: str,
+    sink: Sink | None,
+    exc: Exception,
+    fields: Mapping[str, Any] | None = None,
+) -> None:
+    head = {"event": event, "level": level, "timestamp": _now(), "pid": os.getpid()}
+    error = {"event_error": f"{type(exc).__name__}: {exc}"}
+    try:
+        try:  # the event's own fields, where they render
+            line = json.dumps({**head, **dict(fields or {}), **error}, default=str)
+        except Exception:
+            line = json.dumps({**head, **error}, default=str)
         events_file = sink[1] if sink and len(sink) > 1 else None
         target = JsonLinesSink(events_file if isinstance(events_file, str) else None)
         target.msg(line)

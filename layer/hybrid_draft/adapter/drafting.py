@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybrid_draft import records, settings
-from hybrid_draft.adapter import calls, internals, loaders, loadscope, parts
-from hybrid_draft.core import hold, policy
+from hybrid_draft.adapter import calls, internals, loadscope, parts
+from hybrid_draft.core import draftread, hold, policy
 from hybrid_draft.core.planning import DraftPlan
 from hybrid_draft.records import ABSENT, Opt
 
@@ -33,7 +33,7 @@ class Draft:
     load_config: LoadConfig | None
     #: The draft read by this layer's loaders (its plan, hold and sources); None: vLLM's
     #: own path reads it.
-    read: loaders.DraftRead | None
+    read: draftread.DraftRead | None
     pruning_rule: str | None
     rule_error: Opt[str] = ABSENT
     settings_changed: Opt[records.SettingsChanged] = ABSENT
@@ -171,17 +171,17 @@ def draft(
                     loaders_off or "the draft has no plan to load by",
                 )
         else:
-            fmt = loaders.FILTERED_BY_FAMILY.get(decision.chosen_format, decision.chosen_format)
+            fmt = policy.FILTERED_BY_FAMILY.get(decision.chosen_format, decision.chosen_format)
             load_config = calls.loader_load_config(call.load_config, fmt)
             reads = True
-    elif request.requested_format in (*loaders.FILTERED_BY_FAMILY.values(), loaders.SELECTIVE):
+    elif request.requested_format in (*policy.FILTERED_BY_FAMILY.values(), policy.SELECTIVE):
         # The user's own draft_load_config names one of ours; a plan-less draft is read
         # by vLLM's own lazy path.
         reads = ours
     read = None
     if reads:
         assert plan is not None  # (its load format was registered when get_model was wrapped)
-        read = loaders.DraftRead(
+        read = draftread.DraftRead(
             plan=plan,
             hold=found.hold,
             sink=current.sink,

@@ -516,17 +516,18 @@ class Unsupported(Exception):
     """A private vLLM name the layer needs here has another shape on this vLLM."""
 
 
-def problem(name: Name) -> str | None:
-    """Why ``name`` cannot be used as the layer uses it on this vLLM (None: it can)."""
-    caps = capabilities()
-    shape = caps.shapes.get(name.path)
+def problem(name: Name, alone: bool = False) -> str | None:
+    """Why ``name`` cannot be used as the layer uses it on this vLLM (None: it can); with
+    ``alone``, by probing that one name now rather than every name (the hook's own use)."""
+    found: Capabilities | _Probe = _probe({name.path: name}) if alone else capabilities()
+    shape = found.shapes.get(name.path)
     if shape is not None:
         return f"this vLLM's {name.path} is {shape}, not {name.expected()}"
-    return f"this vLLM has no {name.path}" if name.path in caps.missing else None
+    return f"this vLLM has no {name.path}" if name.path in found.missing else None
 
 
-def _require(name: Name) -> None:
-    why = problem(name)
+def _require(name: Name, alone: bool = False) -> None:
+    why = problem(name, alone)
     if why is not None:
         raise Unsupported(why)
 
@@ -655,7 +656,7 @@ def register_model_loader(load_format: str, cls: type) -> None:
     """Register ``cls`` with vLLM as the loader of ``load_format``."""
     from vllm.model_executor.model_loader import register_model_loader as register
 
-    _require(REGISTER_MODEL_LOADER)
+    _require(REGISTER_MODEL_LOADER, alone=True)
     register(load_format)(cls)
 
 

@@ -11,14 +11,24 @@ unchanged. The events' keys are the fields of ``hybrid_draft.records``' types.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hybrid_draft import records, settings
-from hybrid_draft.adapter import calls, drafting, loaders, loadscope, onepass, parts, pipeline
+from hybrid_draft import events, records, settings
+from hybrid_draft.adapter import (
+    calls,
+    drafting,
+    internals,
+    loaders,
+    loadscope,
+    onepass,
+    parts,
+    pipeline,
+)
 from hybrid_draft.adapter import where as places
-from hybrid_draft.core import figures, hold, policy
+from hybrid_draft.core import draftread, figures, hold, policy
 from hybrid_draft.events import Sink, emit
 from hybrid_draft.records import ABSENT
 
@@ -87,7 +97,7 @@ class Load:
         return self.request.requested_format if self.request is not None else None
 
     @property
-    def read(self) -> loaders.DraftRead | None:
+    def read(self) -> draftread.DraftRead | None:
         return self.draft.read if self.draft is not None else None
 
     @property
@@ -223,8 +233,34 @@ def decide(call: calls.Call, request: policy.Request, current: settings.Settings
     )
 
 
+@functools.cache
+def unready() -> str | None:
+    """Why the layer cannot decide loads in this process (None: it can), found at its first
+    load: the hook left the parts' installation (the probe of vLLM's private names, the load
+    figures) and structlog's import to it. A layer that cannot work says so once, with
+    ``hybrid_draft.patch_skipped``, and leaves every load of the process to vLLM."""
+    why = events.unavailable()
+    if why is None:
+        try:
+            parts.installed()
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+    if why is not None:
+        emit(
+            "hybrid_draft.patch_skipped",
+            "warning",
+            sink=settings.process_sink(),
+            vllm_version=internals.vllm_version(),
+            reason=f"the layer cannot work in this process ({why}): its loads are vLLM's own",
+        )
+    return why
+
+
 def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None], Any]) -> Any:
-    """One load: decide, emit the decision, load, emit what it cost."""
+    """One load: decide, emit the decision, load, emit what it cost. The process's first
+    load installs the layer's parts first (:func:`unready`), outside the load's figures."""
+    if unready() is not None:
+        return proceed(None)
     with figures.measuring() as cost:
         request: policy.Request | None = None
         fault: BaseException | None = None
@@ -263,7 +299,7 @@ def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None]
         tap = load.tap
         cost.observe = tap.offer if tap is not None else None
         try:
-            with loaders.reading(load.read):
+            with draftread.reading(load.read):
                 model = proceed(load.load_config)
         except BaseException as exc:
             _finish(load, cost, exc)

@@ -12,19 +12,19 @@ skipped parameters pass only because vLLM replaces them, and only after the laye
 checked the rest are complete), quantization. A source without a plan (secondary weights,
 a loader used without one) is read by vLLM's own lazy path.
 
-The parts, as vLLM's ``model_loader/`` keeps its own:
+The classes, as vLLM's ``model_loader/`` keeps its own, are one small class per target
+format behind a registry (``model_loader/``); they read through the core
+(``core/draftload.py``, ``core/readers.py``). ``safetensors_filtered`` (modes ``auto`` and
+``safetensors``): the kept tensors by explicit reads of their planned byte ranges;
+``instanttensor_selective`` (mode ``selective``): InstantTensor's ``tensor_filter``;
+``instanttensor_ungrouped``: vLLM's InstantTensor load with ``process_group=None``, for a
+draft only the last pipeline stage loads (``pipeline.py``); ``fastsafetensors_filtered`` and
+``runai_streamer_filtered``: the target's own library, filtered by name.
 
-- ``draftread``: what one load reads (:class:`DraftRead`), handed over by :func:`reading`;
-- ``readers``: the weight iterators, one per read path (no vLLM import);
-- ``model_loader/``: one small class per target format behind a registry, imported only
-  when a loader is registered, after vLLM is. ``safetensors_filtered`` (modes ``auto`` and
-  ``safetensors``): the kept tensors by explicit reads of their planned byte ranges;
-  ``instanttensor_selective`` (mode ``selective``): InstantTensor's ``tensor_filter``;
-  ``instanttensor_ungrouped``: vLLM's InstantTensor load with ``process_group=None``, for a
-  draft only the last pipeline stage loads (``pipeline.py``).
-
-This module is their one entry: the names the rest of the adapter, the tools and the tests
-use, and :func:`register`.
+This module is their one entry, and cheap to import: the hook registers every format with
+vLLM as its model loader is imported (:func:`register_all`), so a user's own
+``draft_load_config`` may name one, but registers a stand-in that builds the real loader,
+importing the classes and the core, only when vLLM first asks for one.
 """
 
 from __future__ import annotations
@@ -33,65 +33,66 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import sys
+from typing import TYPE_CHECKING, Any
 
-from hybrid_draft import settings
 from hybrid_draft.adapter import internals
 from hybrid_draft.core import policy
-from hybrid_draft.core.draftread import (
-    FASTSAFETENSORS_FILTERED,
-    FILTERED,
-    FILTERED_BY_FAMILY,
-    RUNAI_FILTERED,
-    SELECTIVE,
-    UNGROUPED,
-    DraftRead,
-    current,
-    reading,
-)
-from hybrid_draft.core.readers import (
-    Weights,
-    fastsafetensors_filtered_iterator,
-    instanttensor_selective_iterator,
-    instanttensor_ungrouped_iterator,
-    lazy_filtered_iterator,
-    runai_filtered_iterator,
-)
 
-__all__ = [
-    "FASTSAFETENSORS_FILTERED",
-    "FILTERED",
-    "FILTERED_BY_FAMILY",
-    "RUNAI_FILTERED",
-    "SELECTIVE",
-    "UNGROUPED",
-    "DraftRead",
-    "Weights",
-    "available_formats",
-    "current",
-    "fastsafetensors_filtered_iterator",
-    "handled_formats",
-    "instanttensor_selective_iterator",
-    "instanttensor_ungrouped_iterator",
-    "lazy_filtered_iterator",
-    "reading",
-    "register",
-    "runai_filtered_iterator",
-]
+if TYPE_CHECKING:
+    from hybrid_draft import settings
+
+#: Each load format the layer registers, and the part of the layer it belongs to.
+PARTS = {
+    **{fmt: "draft_loaders" for fmt in (*policy.FILTERED_BY_FAMILY.values(), policy.SELECTIVE)},
+    policy.UNGROUPED: "ungrouped_draft",
+}
 
 
 @functools.cache
 def _loader_classes() -> dict[str, type]:
-    """The registry of loader classes (imports vLLM: called once a loader is registered)."""
+    """The registry of loader classes (imports vLLM: called once a loader is built)."""
     from hybrid_draft.adapter.model_loader import LOADERS
 
     return LOADERS
 
 
+def _stand_in(load_format: str) -> type:
+    """A ``BaseModelLoader`` registered under ``load_format`` whose construction builds
+    the layer's real loader for it (imported then), or says why that part is off here."""
+    base = sys.modules[f"{internals.MODULE}.base_loader"].BaseModelLoader
+
+    def __new__(cls: type, load_config: Any) -> Any:
+        why = internals.capabilities().reason(PARTS[load_format])
+        if why is not None:
+            raise ValueError(f"load format {load_format} is off here: {why}")
+        return _loader_classes()[load_format](load_config)
+
+    return type(
+        f"HybridDraftLoader[{load_format}]",
+        (base,),
+        {"__new__": __new__, "load_format": load_format, "__module__": __name__},
+    )
+
+
 @functools.cache
-def register(load_format: str) -> None:
-    """Register one of this layer's loaders with vLLM, once per process (a failure is
-    not remembered: the next call tries again)."""
-    internals.register_model_loader(load_format, _loader_classes()[load_format])
+def register_all() -> dict[str, str]:
+    """Register every format of :data:`PARTS` with vLLM, once per process; the parts that
+    failed to, with why (a part off is off: its loads stay vLLM's)."""
+    failed: dict[str, str] = {}
+    for fmt, part in PARTS.items():
+        if part in failed:
+            continue
+        try:
+            internals.register_model_loader(fmt, _stand_in(fmt))
+        except Exception as exc:  # vLLM without them is vLLM as it was
+            failed[part] = f"registering its load formats failed: {type(exc).__name__}: {exc}"
+    return failed
+
+
+def loader_class(load_format: str) -> type:
+    """The layer's real loader class of ``load_format`` (imports the classes)."""
+    return _loader_classes()[load_format]
 
 
 #: What each target format's filtered draft read needs: a module, the name in it that reads,

@@ -1,5 +1,6 @@
 """The load scope: the model runner's ``load_model``, inside which the target and then its
-draft are loaded.
+draft are loaded. Imports nothing of the layer until a scope has something to settle: the
+hook that wraps the runners runs inside vLLM's import.
 
 A one-pass :class:`~hybrid_draft.core.hold.Hold` lives at most as long as the scope it was
 made in: held tensors are released when the draft's load ends or fails, and at the latest
@@ -17,11 +18,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hybrid_draft.adapter import sharing
-from hybrid_draft.core import hold
-
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
+
+    from hybrid_draft.adapter import sharing
+    from hybrid_draft.core import hold
 
 
 @dataclass
@@ -46,6 +47,10 @@ class Scope:
             held.release(reason)
 
     def close(self) -> None:
+        if not self.skipped and not self.holds:  # no load of the layer's happened here
+            return
+        from hybrid_draft.adapter import sharing
+
         try:
             for skipped in self.skipped:
                 sharing.settle(skipped)

@@ -49,24 +49,32 @@ def _say_off(part: str, off: internals.Off) -> None:
 
 
 @functools.cache
-def installed() -> Installed:
-    """Switch off each part whose private vLLM names this vLLM lacks or has in another
-    shape, saying which; instrument the loads; register the layer's load formats. Once per
-    process (the first call is the hook's, once ``get_model`` is wrapped)."""
-    caps = internals.capabilities()
-    for part in caps.off:
-        _part_skipped(caps, part)
+def measured() -> str | None:
+    """Instrument vLLM's default loader for the load figures, once per process; None, or
+    why the figures are not collected. Emits nothing (a deferred ``patched`` asks it)."""
     unshaped = [
         why
         for why in map(internals.problem, (internals.GET_ALL_WEIGHTS, internals.PREPARE_WEIGHTS))
         if why is not None
     ]
-    unmeasured: str | None = "; ".join(unshaped) or None
-    if unmeasured is None:
-        try:
-            unmeasured = stats.instrument(sys.modules[f"{MODULE}.default_loader"])
-        except Exception as exc:  # load figures are a report, never a reason to stop
-            unmeasured = f"{type(exc).__name__}: {exc}"
+    if unshaped:
+        return "; ".join(unshaped)
+    try:
+        return stats.instrument(sys.modules[f"{MODULE}.default_loader"])
+    except Exception as exc:  # load figures are a report, never a reason to stop
+        return f"{type(exc).__name__}: {exc}"
+
+
+@functools.cache
+def installed() -> Installed:
+    """Switch off each part whose private vLLM names this vLLM lacks or has in another
+    shape, saying which; instrument the loads; take what registering the layer's load
+    formats at the hook left. Once per process, at its first load (or when ``doctor``
+    asks): the hook itself only wraps and registers, so importing vLLM stays cheap."""
+    caps = internals.capabilities()
+    for part in caps.off:
+        _part_skipped(caps, part)
+    unmeasured = measured()
     if unmeasured:
         caps = caps.without("one_pass", unmeasured)
     if caps.reason("runai_stream") is None:
@@ -75,9 +83,12 @@ def installed() -> Installed:
         except Exception as exc:  # its targets load as vLLM loads them, unmeasured
             caps = caps.without("runai_stream", f"{type(exc).__name__}: {exc}")
             _part_skipped(caps, "runai_stream")
-    for part, failure in _register_loaders(caps):
-        caps = caps.without(part, failure)
-        _part_skipped(caps, part)
+    from hybrid_draft.adapter import loaders
+
+    for part, failure in loaders.register_all().items():
+        if caps.reason(part) is None:
+            caps = caps.without(part, failure)
+            _part_skipped(caps, part)
     return Installed(caps, unmeasured)
 
 
@@ -138,28 +149,6 @@ def states() -> list[State]:
 def check_parts() -> Installed:
     """Probe this vLLM anew and install again (for a process whose vLLM changed)."""
     internals.capabilities.cache_clear()
+    measured.cache_clear()
     installed.cache_clear()
     return installed()
-
-
-def _register_loaders(caps: internals.Capabilities) -> list[tuple[str, str]]:
-    """Register the layer's load formats with vLLM as soon as it can load: a user's own
-    ``draft_load_config`` may name one before any draft is decided. The parts that failed
-    to, with why."""
-    from hybrid_draft.adapter import loaders
-
-    failed = []
-    for part, formats in (
-        ("draft_loaders", (*loaders.FILTERED_BY_FAMILY.values(), loaders.SELECTIVE)),
-        ("ungrouped_draft", (loaders.UNGROUPED,)),
-    ):
-        if caps.reason(part) is not None:
-            continue
-        try:
-            for fmt in formats:
-                loaders.register(fmt)
-        except Exception as exc:  # vLLM without them is vLLM as it was
-            failed.append(
-                (part, f"registering its load formats failed: {type(exc).__name__}: {exc}")
-            )
-    return failed

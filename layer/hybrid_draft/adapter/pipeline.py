@@ -74,7 +74,5 @@ def route(
         return None
     if ungrouped_off is not None:  # this vLLM's loader is not one the read knows
         return Route(size, f"vLLM's own (part_skipped: {ungrouped_off})", load_config)
-    from hybrid_draft.adapter import loaders
-
     base = load_config if load_config is not None else call.load_config
-    return Route(size, "none", dataclasses.replace(base, load_format=loaders.UNGROUPED))
+    return Route(size, "none", dataclasses.replace(base, load_format=policy.UNGROUPED))

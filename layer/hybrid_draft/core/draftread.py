@@ -12,23 +12,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from hybrid_draft.core import hold, planning, policy
+from hybrid_draft.core import hold, planning
 from hybrid_draft.events import Sink
-
-#: The load formats the layer's loaders are registered under.
-FILTERED = "safetensors_filtered"
-SELECTIVE = policy.SELECTIVE_FORMAT
-UNGROUPED = "instanttensor_ungrouped"
-FASTSAFETENSORS_FILTERED = "fastsafetensors_filtered"
-RUNAI_FILTERED = "runai_streamer_filtered"
-
-#: The layer's loader of a switched draft, by the loader family its decision chose
-#: (``policy.Decision.chosen_format``): the target's own family, filtered by the plan.
-FILTERED_BY_FAMILY = {
-    policy.SAFETENSORS: FILTERED,
-    policy.FASTSAFETENSORS: FASTSAFETENSORS_FILTERED,
-    policy.RUNAI_STREAMER: RUNAI_FILTERED,
-}
 
 
 @dataclass(kw_only=True)

@@ -40,6 +40,20 @@ RUNAI_STREAMER = "runai_streamer"
 #: family. The ``formats`` setting may keep any of them untouched.
 TARGET_FORMATS = (INSTANTTENSOR, FASTSAFETENSORS, RUNAI_STREAMER)
 
+#: The load formats the layer's draft loaders are registered under with vLLM.
+FILTERED = "safetensors_filtered"
+SELECTIVE = SELECTIVE_FORMAT
+UNGROUPED = "instanttensor_ungrouped"
+FASTSAFETENSORS_FILTERED = "fastsafetensors_filtered"
+RUNAI_FILTERED = "runai_streamer_filtered"
+#: The layer's loader of a switched draft, by the loader family its decision chose
+#: (``Decision.chosen_format``): the target's own family, filtered by the plan.
+FILTERED_BY_FAMILY = {
+    SAFETENSORS: FILTERED,
+    FASTSAFETENSORS: FASTSAFETENSORS_FILTERED,
+    RUNAI_STREAMER: RUNAI_FILTERED,
+}
+
 #: The draft's load format each mode aims for (what the compose smoke test expects).
 DRAFT_FORMAT_BY_MODE = {
     "auto": SAFETENSORS,

@@ -9,7 +9,7 @@ from vllm.config import get_current_vllm_config
 
 from hybrid_draft.adapter.model_loader.base import PlannedDraftLoader
 from hybrid_draft.core import checkpoint, readers
-from hybrid_draft.core.draftread import FASTSAFETENSORS_FILTERED
+from hybrid_draft.core.policy import FASTSAFETENSORS_FILTERED
 from hybrid_draft.core.readers import Weights
 
 

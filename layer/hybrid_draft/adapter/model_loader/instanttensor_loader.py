@@ -16,7 +16,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from hybrid_draft.adapter import internals
 from hybrid_draft.adapter.model_loader.base import PlannedDraftLoader
 from hybrid_draft.core import checkpoint, policy, readers
-from hybrid_draft.core.draftread import SELECTIVE, UNGROUPED
+from hybrid_draft.core.policy import SELECTIVE, UNGROUPED
 from hybrid_draft.core.readers import Weights
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hybrid_draft.adapter.model_loader.base import PlannedDraftLoader
 from hybrid_draft.core import checkpoint, readers
-from hybrid_draft.core.draftread import RUNAI_FILTERED
+from hybrid_draft.core.policy import RUNAI_FILTERED
 from hybrid_draft.core.readers import Weights
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybrid_draft.adapter.model_loader.base import PlannedDraftLoader
 from hybrid_draft.core import checkpoint, readers
-from hybrid_draft.core.draftread import FILTERED
+from hybrid_draft.core.policy import FILTERED
 from hybrid_draft.core.readers import Weights
 
 

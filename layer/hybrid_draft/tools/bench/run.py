@@ -763,3 +763,10 @@ def print_report(result: dict[str, Any]) -> None:
             f"{ml['hook']['median'] * 1e3:.1f} ms (median of {ml['hook']['runs']}, "
             f"{ml['hook']['min'] * 1e3:.1f}-{ml['hook']['max'] * 1e3:.1f} ms)"
         )
+        if "first_load_setup" in ml:
+            first = ml["first_load_setup"]
+            print(
+                f"first load: what the hook leaves to it (the load path, plan and readers "
+                f"imported, the parts installed, structlog) costs {first['median'] * 1e3:.1f} ms "
+                f"(median of {first['runs']})"
+            )

@@ -149,9 +149,10 @@ def _draft_reader(
 
     from hybrid_draft import settings
     from hybrid_draft.adapter import loaders
+    from hybrid_draft.core import draftread
 
     sink = settings.process_sink()
-    loader = loaders._loader_classes()[load_format](
+    loader = loaders.loader_class(load_format)(
         LoadConfig(load_format=load_format, device=device, use_tqdm_on_load=False)
     )
     model = SimpleNamespace(is_unused_checkpoint_weight=plan.is_unused)
@@ -160,7 +161,7 @@ def _draft_reader(
     )
 
     def weights() -> Any:
-        read = loaders.DraftRead(plan=plan, sink=sink, hold=held() if callable(held) else held)
+        read = draftread.DraftRead(plan=plan, sink=sink, hold=held() if callable(held) else held)
         read.skipped = dict(plan.replaced)
         read.sources = {k: {"tensors": 0, "bytes": 0} for k in ("storage", "stream")}
         loader.draft = read
@@ -193,11 +194,12 @@ def _product(load_format: str, s3: bool = False) -> Callable[[dict[str, Any]], C
     the draft of the checkpoint's ``s3://`` copy."""
 
     def make(spec: dict[str, Any]) -> Callable[[], None]:
-        from hybrid_draft.adapter import loaders, selective
+        from hybrid_draft.adapter import selective
+        from hybrid_draft.core import policy
 
-        if load_format == loaders.SELECTIVE and selective.cuda_unavailable() is not None:
+        if load_format == policy.SELECTIVE and selective.cuda_unavailable() is not None:
             spec["ran"] = f"auto ({selective.cuda_unavailable()})"
-            fmt, device = loaders.FILTERED, "cpu"
+            fmt, device = policy.FILTERED, "cpu"
         else:
             spec["ran"] = load_format
             fmt, device = (
