@@ -13,7 +13,7 @@ import torch
 
 from conftest import Events, Recorder, engine_config, load_target_and_draft, rule_keeps
 from hybrid_draft.adapter.rules import deepseek_mtp_unused
-from hybrid_draft.core import checkpoint
+from hybrid_draft.core import checkpoint, readers
 
 pytestmark = pytest.mark.vllm
 
@@ -205,6 +205,12 @@ def test_selective_loader_streams_exactly_the_planned_tensors(
     assert call["files"] == sorted(
         {s.path.name for s in shards if any(t.name in planned for t in s.tensors)}
     )
+    # Its buffer and I/O depth are the draft's, never InstantTensor's whole-model defaults.
+    ordered = [t for s in sorted(shards, key=lambda s: str(s.path)) for t in s.tensors]
+    sizes = [t.nbytes for t in ordered if t.name in planned]
+    assert {k: call[k] for k in ("buffer_size", "io_depth", "chunk_size")} == (
+        readers.selective_sizing(sizes, recorder)
+    )
     assert len(call["files"]) < len(shards)
 
     values = {}
@@ -229,6 +235,103 @@ def test_selective_loader_streams_exactly_the_planned_tensors(
     )
     assert draft["tensor_filter"] is True
     assert draft["sources"]["replaced_by_target"]["tensors"] == 3
+
+
+MIB = 1 << 20
+
+
+def test_the_selective_read_is_sized_to_the_draft(
+    deepseek: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The core's selective reader, driven alone with InstantTensor's ``safe_open`` recorded
+    (it needs CUDA): the draft's tensors, and a buffer, I/O depth and chunk size of the
+    draft's, within what InstantTensor accepts without resizing them."""
+    import instanttensor
+
+    recorder = SafeOpenRecorder()
+    monkeypatch.setattr(instanttensor, "safe_open", recorder)
+    selection = checkpoint.selection(
+        checkpoint.read_checkpoint(deepseek), lambda t: ".layers." in t.name
+    )
+    read = dict(readers.instanttensor_selective_iterator(selection, torch.device("cpu")))
+    assert sorted(read) == sorted(selection.names)
+    (call,) = recorder.calls
+    assert call["files"] == sorted(Path(f).name for f in selection.tensors)
+    assert (call["tensor_filter"], call["process_group"]) == (selection.names, None)
+    sizes = [t.nbytes for path in sorted(selection.tensors) for t in selection.tensors[path]]
+    buffer, depth, chunk = call["buffer_size"], call["io_depth"], call["chunk_size"]
+    assert {"buffer_size": buffer, "io_depth": depth, "chunk_size": chunk} == (
+        readers.selective_sizing(sizes, recorder)
+    )
+    assert chunk == readers.SELECTIVE_CHUNK == 8 * MIB
+    assert buffer >= max(sizes) and buffer >= depth * chunk  # InstantTensor's two minimums
+    assert buffer <= max(sum(sizes), depth * chunk)  # and its maximum: nothing resized
+    assert 1 <= depth <= readers.SELECTIVE_MAX_BUFFER // chunk
+
+
+def test_the_sizing_of_drafts_large_and_small() -> None:
+    """The arithmetic alone: a DeepSeek-V3-shaped draft (42 tensors of 1 to 16 MiB, 148 MiB)
+    gets tens of MiB and a handful of reads in flight, not InstantTensor's 4 GiB and 512; a
+    tiny draft one read; large tensors the cap; a tensor larger than the cap the buffer it
+    needs, the depth capped."""
+
+    def safe_open(
+        filename: Any,
+        framework: str,
+        device: Any,
+        process_group: Any = None,
+        *,
+        buffer_size: Any = None,
+        io_depth: Any = None,
+        chunk_size: Any = None,
+        copy: bool = True,
+        tensor_filter: Any = None,
+        tensor_name_match_mode: str = "glob",
+    ) -> None:  # 0.2.2's keywords
+        raise AssertionError("never called")
+
+    draft = [16 * MIB] * 8 + [MIB] * 34
+    sized = readers.selective_sizing(draft, safe_open)
+    assert 3 * 16 * MIB <= sized["buffer_size"] <= 64 * MIB
+    assert 4 <= sized["io_depth"] <= 8 and sized["chunk_size"] == 8 * MIB
+    assert readers.selective_sizing([4096], safe_open) == {
+        "buffer_size": 8 * MIB,
+        "io_depth": 1,
+        "chunk_size": 8 * MIB,
+    }
+    huge = readers.selective_sizing([1800 * MIB, 16 * MIB], safe_open)
+    assert huge["buffer_size"] == 1800 * MIB and huge["io_depth"] == 32
+    large = readers.selective_sizing([200 * MIB] * 4, safe_open)
+    assert large["buffer_size"] == 256 * MIB and large["io_depth"] == 32
+    assert readers.selective_sizing([], safe_open) == {}
+
+
+def test_the_sizing_falls_back_where_instanttensor_lacks_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An InstantTensor whose ``safe_open`` lacks an argument is not passed it; one without
+    the buffer recommendation gets three times the largest tensor, within the draft's bytes."""
+    import instanttensor._impl
+
+    def older_safe_open(
+        filename: Any,
+        framework: str,
+        device: Any,
+        process_group: Any = None,
+        *,
+        buffer_size: Any = None,
+        copy: bool = True,
+        tensor_filter: Any = None,
+        tensor_name_match_mode: str = "glob",
+    ) -> None:  # a buffer size, but no io_depth or chunk_size
+        raise AssertionError("never called")
+
+    draft = [16 * MIB] * 8 + [MIB] * 34
+    assert set(readers.selective_sizing(draft, older_safe_open)) == {"buffer_size"}
+    monkeypatch.delattr(instanttensor._impl, "recommended_buffer_size_for_tensors")
+    assert readers.selective_sizing(draft, older_safe_open) == {"buffer_size": 48 * MIB}
+    # A draft smaller than one read still gets a buffer one read fits in.
+    assert readers.selective_sizing([MIB, 2 * MIB], older_safe_open) == {"buffer_size": 8 * MIB}
 
 
 def test_the_fallback_names_no_platform_when_vllm_detects_none(tmp_path: Path) -> None:

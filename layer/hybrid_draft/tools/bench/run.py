@@ -28,28 +28,24 @@ from hybrid_draft.tools.bench import pagecache
 
 GIB = 1 << 30
 LAYOUT_VERSION = 3
-DRAFT_NAMES = "bench-draft-tensors.json"
+#: The strategies that run vLLM's own code (stock vLLM's reads, the other formats' target
+#: loaders): skipped, saying so, where vLLM cannot be imported. The product's run without.
 NEEDS_VLLM = (
     "lazy",
     "lazy_pruned",
-    "auto",
-    "selective",
-    "one_pass",
-    "fastsafetensors_filtered",
     "fastsafetensors_one_pass",
     "runai_stock",
-    "runai_filtered",
     "runai_one_pass",
     "runai_s3_stock",
-    "runai_s3_filtered",
     "runai_s3_one_pass",
 )
-#: The library each target format's strategies read with (its strategies are skipped,
-#: saying so, where it is not installed).
+#: The library each format's strategies read with (its strategies are skipped, saying so,
+#: where it does not import).
 NEEDS_MODULE = {
     "fastsafetensors_": "fastsafetensors",
     "runai_": "runai_model_streamer",
     "runai_s3_": "runai_model_streamer_s3",
+    "it_": "instanttensor",
 }
 #: The bucket the checkpoint is uploaded to with --s3-endpoint.
 S3_BUCKET = "hybrid-draft-bench"
@@ -98,6 +94,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--s3-bucket",
         default=S3_BUCKET,
         help=f"the bucket for --s3-endpoint (default {S3_BUCKET}; created if missing)",
+    )
+    p.add_argument(
+        "--without-vllm",
+        action="store_true",
+        help="run as where vLLM is not installed: vLLM is made unimportable in this process "
+        "and its workers, so the product's strategies run its core alone (what "
+        "scripts/gpu-check.sh runs)",
     )
     p.add_argument(
         "--startup-runs",
@@ -200,6 +203,7 @@ def prepare_checkpoint(directory: Path, size_gib: float) -> Path:
     """Write the checkpoint unless one of the same size and layout version is there; refuse a
     directory that holds anything but a bench checkpoint (it is never overwritten)."""
     from hybrid_draft.tools import synth
+    from hybrid_draft.tools.bench.strategies import DRAFT_NAMES
 
     stamp = directory / "bench-layout.json"
     want = {"size_gib": size_gib, "version": LAYOUT_VERSION}
@@ -230,33 +234,15 @@ def prepare_checkpoint(directory: Path, size_gib: float) -> Path:
 # --- the plan the strategies share -------------------------------------------------------
 
 
-def vllm_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 def draft_plan(directory: Path) -> dict[str, Any]:
-    """The draft's tensors by the product's own plan (vLLM's draft class and rule), or,
-    without vLLM, the names the layout recorded for DeepSeekMTP."""
-    from hybrid_draft.core import checkpoint, planning
+    """What the strategies share of the draft's plan (``strategies.bench_plan``: the
+    product's own with vLLM, else one from the names the layout recorded)."""
     from hybrid_draft.tools import modes
+    from hybrid_draft.tools.bench.strategies import bench_plan
 
-    if vllm_available():
-        from hybrid_draft.tools import draftinfo
-
-        plan = draftinfo.for_model_dir(str(directory))
-        if plan.is_unused is None:
-            raise SystemExit(f"{directory}: the draft class {plan.draft_class} has no rule")
-    else:  # e.g. a bare GPU machine: the names the layout recorded, the replaced by name
-        wanted = set(json.loads((directory / DRAFT_NAMES).read_text()))
-        plan = planning.DraftPlan(
-            tuple(checkpoint.read_checkpoint(directory)),
-            draft_class="DeepSeekMTP",
-            rule_source="layout",
-            rule=lambda name: name not in wanted,
-            shared=frozenset(planning.SHARED_KINDS),
-        )
+    plan = bench_plan(str(directory))
+    if plan.is_unused is None:
+        raise BenchError(f"{directory}: the draft class {plan.draft_class} has no rule")
     reads = modes.rows(plan)
     own = [t for t in plan.kept if t.name not in plan.replaced]
     paths = {t.name: str(s.path) for s in plan.shards for t in s.tensors}
@@ -292,28 +278,40 @@ def draft_plan(directory: Path) -> dict[str, Any]:
 # --- running and reporting ---------------------------------------------------------------
 
 
+class StrategyFailed(RuntimeError):
+    """A strategy's worker ended without its result (its own error is on stderr above)."""
+
+
 def run_strategy(
-    name: str, shared: dict[str, Any], runs: int, s3: dict[str, Any] | None = None
+    name: str,
+    shared: dict[str, Any],
+    runs: int,
+    s3: dict[str, Any] | None = None,
+    device: str = "cpu",
+    without_vllm: bool = False,
 ) -> dict[str, Any]:
     """Run one strategy in a worker process; ``s3`` (``{"uri", "files"}``: the checkpoint's
-    address and each shard's) for those that read it from object storage."""
+    address and each shard's) for those that read it from object storage; ``device`` where
+    the product's strategies put the draft's tensors."""
     with tempfile.TemporaryDirectory() as tmp:
         spec = {
             **shared,
             "strategy": name,
             "runs": runs,
-            "device": "cuda:0",
+            "device": device,
+            "without_vllm": without_vllm,
             "result_file": os.path.join(tmp, "result.json"),
             **({"s3": s3} if s3 is not None else {}),
         }
         spec_file = os.path.join(tmp, "spec.json")
         Path(spec_file).write_text(json.dumps(spec))
         pagecache.settle()  # nothing this process started runs beside the worker
-        subprocess.run(
+        done = subprocess.run(
             [sys.executable, "-m", "hybrid_draft.tools.bench.strategies", spec_file],
-            check=True,
             stdout=subprocess.DEVNULL,
         )
+        if done.returncode != 0:
+            raise StrategyFailed(f"its worker exited with status {done.returncode}")
         result: dict[str, Any] = json.loads(Path(spec["result_file"]).read_text())
         return result
 
@@ -331,6 +329,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "resident_bytes": raw["resident_bytes"][i],
         "peak_rss": raw["peak_rss"],
         **({"ran": raw["ran"]} if "ran" in raw else {}),
+        # where the draft's tensors went: a CUDA device, or the CPU
+        "device": raw.get("device", "cpu"),
         "rss_before": raw["rss_before"],
         "cold": all(raw["cold"]),
         # from storage; for a strategy against object storage, over the wire
@@ -376,10 +376,16 @@ def _median_run(s: dict[str, Any]) -> int:
     return min(range(len(seconds)), key=lambda k: abs(seconds[k] - s["median_seconds"]))
 
 
-def _ratios(strategies: dict[str, dict[str, Any]], reference: str, base: str) -> None:
+def _ratios(
+    rows: dict[str, dict[str, Any]],
+    strategies: dict[str, dict[str, Any]],
+    reference: str,
+    base: str,
+) -> None:
+    """Each of ``rows`` against ``strategies``' ``reference`` (the floor) and ``base``."""
     ref = strategies.get(reference, {}).get("median_seconds")
     full = strategies.get(base, {}).get("median_seconds")
-    for s in strategies.values():
+    for s in rows.values():
         t = s["median_seconds"]
         s["vs_limit"] = t / ref if ref else None
         s["full_pass_speedup"] = full / t if full and t else None
@@ -408,6 +414,10 @@ def table(result: dict[str, Any], key: str = "strategies") -> str:
     network = any("network_bytes" in s for s in result[key].values())
     if network:
         columns.insert(5, ("network", "right"))
+    onto = any(s.get("device", "cpu") != "cpu" for s in result[key].values())
+    if onto:  # where the draft's tensors went, and the device's peak for them
+        columns[1:1] = [("onto", "left")]
+        columns.append(("device peak", "right"))
     rows = []
     for name, s in result[key].items():
         row = [
@@ -426,6 +436,10 @@ def table(result: dict[str, Any], key: str = "strategies") -> str:
                 5,
                 _fmt_bytes(s["network_bytes"][_median_run(s)]) if "network_bytes" in s else "-",
             )
+        if onto:
+            row.insert(1, s.get("device", "cpu"))
+            peak = s.get("peak_device_bytes")
+            row.append(_fmt_bytes(peak) if peak else "-")
         rows.append(row)
     notes = [
         f"({name} ran {s['ran']})"
@@ -507,8 +521,10 @@ def chart(result: dict[str, Any], path: Path) -> bool:
         ax.tick_params(axis="x", labelrotation=40, labelsize=8)
         for label in ax.get_xticklabels():
             label.set_horizontalalignment("right")
+        devices = sorted({result[key][n].get("device", "cpu") for n in names} - {"cpu"})
+        where = "stock InstantTensor" if key == "gpu_strategies" else "draft load"
         ax.set_title(
-            f"{'GPU' if key == 'gpu_strategies' else 'CPU'} draft load, "
+            f"{where} ({', '.join(devices) or 'CPU'}), "
             f"{_fmt_bytes(ck['bytes'])} checkpoint, draft {_fmt_bytes(ck['draft_bytes'])}",
             fontsize=10,
         )
@@ -568,10 +584,16 @@ def _with_s3(chosen: list[str], s3: bool) -> list[str]:
 
 
 def _missing_module(name: str) -> str | None:
-    import importlib.util
+    """The library strategy ``name`` reads with, where it does not import here."""
+    import importlib
 
-    needed = [m for prefix, m in NEEDS_MODULE.items() if name.startswith(prefix)]
-    return next((m for m in needed if importlib.util.find_spec(m) is None), None)
+    for prefix, module in NEEDS_MODULE.items():
+        if name.startswith(prefix):
+            try:
+                importlib.import_module(module)
+            except Exception:  # absent, or its native part does not load here
+                return module
+    return None
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -581,8 +603,12 @@ def _main(args: argparse.Namespace) -> int:
         CPU_STRATEGIES,
         GPU_STRATEGIES,
         S3_STRATEGIES,
+        block_vllm,
+        vllm_available,
     )
 
+    if args.without_vllm:
+        block_vllm()
     # vLLM's import would start background kernel builds in this process and in every
     # worker, beside the timed runs (pagecache.settle); the workers inherit this.
     os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
@@ -608,6 +634,7 @@ def _main(args: argparse.Namespace) -> int:
     except objectstore.S3Error as exc:
         raise BenchError(str(exc)) from None
     gpu = startup.cuda_available()
+    device = "cuda:0" if gpu else "cpu"  # where the product's strategies put the draft
     if args.strategies is None:
         chosen = [*CPU_STRATEGIES, *(GPU_STRATEGIES if gpu else ())]
     chosen = _with_s3(chosen, endpoint is not None)
@@ -632,8 +659,28 @@ def _main(args: argparse.Namespace) -> int:
     if not vllm_available():
         skipped = [s for s in chosen if s in NEEDS_VLLM]
         if skipped:
-            print(f"vLLM is not installed here: skipping {', '.join(skipped)}", flush=True)
+            why = "made unimportable (--without-vllm)" if args.without_vllm else "not installed"
+            print(f"vLLM is {why} here: skipping {', '.join(skipped)}", flush=True)
         chosen = [s for s in chosen if s not in NEEDS_VLLM]
+    if not gpu:
+        skipped = [s for s in chosen if s in GPU_STRATEGIES]
+        if skipped or "selective" in chosen:
+            print(
+                "CUDA is not available here: the GPU rows need it"
+                + (
+                    f"; skipping {', '.join(skipped)} (InstantTensor reads onto CUDA only)"
+                    if skipped
+                    else ""
+                )
+                + (
+                    "; selective runs the path it falls back to, auto's"
+                    if "selective" in chosen
+                    else ""
+                )
+                + "; the product's rows read onto the CPU",
+                flush=True,
+            )
+        chosen = [s for s in chosen if s not in GPU_STRATEGIES]
     missing: dict[str, list[str]] = {}
     for name in chosen:
         module = _missing_module(name)
@@ -673,15 +720,24 @@ def _main(args: argparse.Namespace) -> int:
     }
     if s3_info is not None:
         result["s3"] = s3_info
+    failed: dict[str, str] = {}
     for name in chosen:
         key = "gpu_strategies" if name in GPU_STRATEGIES else "strategies"
         print(f"running {name} ({args.runs} cold runs) ...", flush=True)
         s3 = s3_spec if name in S3_STRATEGIES else None
-        result[key][name] = summarize(run_strategy(name, shared, args.runs, s3))
-    _ratios(result["strategies"], "limit", "full_pass")
-    _ratios(result["gpu_strategies"], "it_selective", "it_full")
+        try:
+            raw = run_strategy(name, shared, args.runs, s3, device, args.without_vllm)
+        except StrategyFailed as exc:  # the rest still run; the status says so at the end
+            print(f"{name} failed: {exc} (its error is above)", flush=True)
+            failed[name] = str(exc)
+            continue
+        result[key][name] = summarize(raw)
+    for key in ("strategies", "gpu_strategies"):
+        _ratios(result[key], result["strategies"], "limit", "full_pass")
     if not result["gpu_strategies"]:
         del result["gpu_strategies"]
+    if failed:
+        result["failed"] = failed
     if args.startup_runs:
         result["startup"] = startup.pth_cost(args.startup_runs)
     if args.hook_runs and vllm_available():
@@ -694,6 +750,9 @@ def _main(args: argparse.Namespace) -> int:
     else:
         print(f"\nwrote {out / 'bench.json'}")
         print("the chart (bench.png) needs the `bench` extra: pip install 'hybrid-draft[bench]'")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -708,10 +767,12 @@ def print_report(result: dict[str, Any]) -> None:
         f" and the draft reads {_fmt_bytes(ck['own_bytes'])}"
     )
     if result["strategies"]:
-        print("\nCPU, cold page cache, median of", result["runs"], "runs:")
+        devices = sorted({s.get("device", "cpu") for s in result["strategies"].values()} - {"cpu"})
+        where = f"CPU reads, the product's rows onto {', '.join(devices)}" if devices else "CPU"
+        print(f"\n{where}, cold page cache, median of", result["runs"], "runs:")
         print(table(result))
     if result.get("gpu_strategies"):
-        print("\nGPU (CUDA), cold page cache:")
+        print("\nstock InstantTensor (CUDA), cold page cache, median of", result["runs"], "runs:")
         print(table(result, "gpu_strategies"))
     for name, s in (result.get("strategies") or {}).items():
         if "network_bytes" in s:

@@ -6,36 +6,34 @@ evicted from the page cache and ``mincore`` confirms it; a run reports wall seco
 read from storage (``/proc/self/io``) and the checkpoint pages resident afterwards; the
 worker reports its peak RSS. One process per strategy keeps the RSS figures apart.
 
-CPU strategies: ``full_pass`` (every byte of every shard, as a second InstantTensor pass
-reads), ``lazy`` and ``lazy_pruned`` (vLLM's real ``safetensors_weights_iterator``, a
-consumer that copies the draft's tensors into preallocated buffers, all shards or the
-pruned ones: stock vLLM and the original mod), ``auto`` (the product's own default path for
-a same-checkpoint draft loaded on its own: the ``safetensors_filtered`` loader mode
-``auto`` switches the draft to, driven through its ``get_all_weights`` with the plan's
-selection, the tensors vLLM replaces skipped), ``selective`` (mode ``selective`` as it runs
-on this host: its InstantTensor loader with CUDA, else the very ``auto`` path it falls
-back to), ``limit`` (one sequential pass over exactly the byte ranges the draft reads,
-merged: the storage's floor) and ``one_pass`` (the target's pass through vLLM's
-``DefaultModelLoader`` with the product's tap keeping the draft's tensors, then the draft's
-load from them by the product's loader; vLLM's InstantTensor iterator, which needs CUDA, is
-stood in for by a reader that streams each shard whole and yields copies, as InstantTensor
-does with ``copy=True``; each run also times the same target pass untapped).
-For the other target formats: ``fastsafetensors_stock`` (every tensor of the rule-pruned
-shards, read whole by fastsafetensors' ``ParallelLoader`` as vLLM's
-``fastsafetensors_weights_iterator`` drives it, onto the CPU with ``nogds=True``: vLLM's
-iterator needs CUDA), ``fastsafetensors_filtered`` (the product's ``fastsafetensors_filtered``
-loader), ``fastsafetensors_one_pass`` (the target's fastsafetensors pass, the same stand-in,
-through ``DefaultModelLoader`` with the tap, then the draft from the hold), ``runai_stock``
-(vLLM's real ``runai_safetensors_weights_iterator`` over the rule-pruned shards),
-``runai_filtered`` (the product's ``runai_streamer_filtered`` loader) and ``runai_one_pass``
-(the target's pass through vLLM's real ``RunaiModelStreamerLoader`` with the tap, then the
-draft from the hold); and, against object storage (``spec["s3"]``), ``runai_s3_stock``,
-``runai_s3_filtered`` and ``runai_s3_one_pass``, the same three over the shards' ``s3://``
-addresses, each run's bytes over the wire counted (``rchar``, and the product's own figure).
-GPU strategies (CUDA only): ``it_full`` and ``it_selective`` (InstantTensor without and
-with ``tensor_filter``), ``lazy_to_gpu`` (lazy safetensors, then a copy to the device) and
-``it_one_pass`` (InstantTensor's full pass keeping the draft's tensors on the device, then
-the draft's parameters filled from them; with the device's peak memory).
+The product's strategies run the layer's own code with or without vLLM: the draft's plan
+(:func:`bench_plan`), its read split between the hold and storage by ``core/draftload.py``
+with the format's reader of ``core/readers.py`` (:func:`draft_weights`: what the layer's
+loader hands vLLM's ``load_weights``), each tensor copied into the draft's buffers on the
+spec's device, a CUDA one where there is one: ``auto`` (filtered safetensors, the reader of
+the ``safetensors_filtered`` loader mode ``auto`` switches a same-checkpoint draft to),
+``selective`` (InstantTensor with ``tensor_filter``, sized to the draft, onto CUDA; without
+CUDA the very ``auto`` path mode ``selective`` falls back to), ``fastsafetensors_filtered``,
+``runai_filtered`` (and ``runai_s3_filtered`` against object storage), and ``one_pass``
+(the target's InstantTensor pass, on the CPU a whole-shard stream standing for it, offered
+to the product's hold, then the draft from the hold; beside the same pass untapped).
+
+Stock vLLM and the floors, read onto the CPU: ``full_pass`` (every byte of every shard, as
+a second InstantTensor pass reads), ``lazy`` and ``lazy_pruned`` (vLLM's real
+``safetensors_weights_iterator``, the draft's tensors copied into preallocated buffers, all
+shards or the rule-pruned ones), ``limit`` (one sequential pass over exactly the byte ranges
+the draft reads, merged: the storage's floor), ``fastsafetensors_stock`` (every tensor of
+the rule-pruned shards, read whole by fastsafetensors' ``ParallelLoader`` as vLLM's
+``fastsafetensors_weights_iterator`` drives it, onto the CPU with ``nogds=True``),
+``runai_stock`` (vLLM's real ``runai_safetensors_weights_iterator`` over the rule-pruned
+shards; ``runai_s3_stock`` over their ``s3://`` copies). With vLLM, the one pass of the
+other target formats: ``fastsafetensors_one_pass`` and ``runai_one_pass`` (and
+``runai_s3_one_pass``), the target's pass through vLLM's own loader with the tap decided by
+production's code, then the draft from the hold.
+
+Stock InstantTensor (CUDA only): ``it_full`` (its full pass: what a draft load reads
+without the layer) and ``it_selective`` (``tensor_filter`` over the draft's own tensors,
+InstantTensor's defaults otherwise).
 """
 
 from __future__ import annotations
@@ -45,9 +43,18 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hybrid_draft.core.policy import (
+    FASTSAFETENSORS_FILTERED,
+    FILTERED,
+    RUNAI_FILTERED,
+    SELECTIVE,
+)
 from hybrid_draft.tools.bench import pagecache
+
+if TYPE_CHECKING:
+    from hybrid_draft.core.planning import DraftPlan
 
 CHUNK = 64 << 20
 CPU_STRATEGIES = (
@@ -68,7 +75,8 @@ CPU_STRATEGIES = (
 #: The Run:ai strategies against object storage (``--s3-endpoint``): each the ``runai_*``
 #: strategy of the same suffix, over the shards' ``s3://`` addresses.
 S3_STRATEGIES = ("runai_s3_stock", "runai_s3_filtered", "runai_s3_one_pass")
-GPU_STRATEGIES = ("it_full", "it_selective", "lazy_to_gpu", "it_one_pass")
+#: Stock InstantTensor, which reads onto a CUDA device only.
+GPU_STRATEGIES = ("it_full", "it_selective")
 TORCH_DTYPES = {
     "BF16": "bfloat16",
     "F16": "float16",
@@ -130,47 +138,50 @@ def _lazy(files_key: str) -> Callable[[dict[str, Any]], Callable[[], None]]:
     return make
 
 
-def _plan(spec: dict[str, Any]) -> Any:
-    from hybrid_draft.tools import draftinfo
+def vllm_available() -> bool:
+    """Whether vLLM can be imported here: not where it is absent or blocked (:func:`block_vllm`)."""
+    import importlib.util
 
-    return draftinfo.for_model_dir(spec["model_dir"])
+    return importlib.util.find_spec("vllm") is not None
 
 
-def _draft_reader(
-    plan: Any, load_format: str, device: str, held: Any = None, address: str | None = None
-) -> Callable[[], Any]:
-    """One of hybrid-draft's registered draft loaders, driven as vLLM drives it for the
-    draft: ``get_all_weights`` with the plan's read (the replaced tensors skipped, as its
-    ``load_weights`` decides for DeepSeekMTP) and, for one pass, the hold; ``address`` the
-    model's (default: the plan's first shard's directory)."""
-    from types import SimpleNamespace
+def block_vllm() -> None:
+    """Make vLLM unimportable in this process, as on a machine without it (``--without-vllm``)."""
+    sys.modules["vllm"] = None  # type: ignore[assignment]
 
-    from vllm.config.load import LoadConfig
 
-    from hybrid_draft import settings
-    from hybrid_draft.adapter import loaders
-    from hybrid_draft.core import draftread
+#: The draft's tensors by name, written beside the bench checkpoint: what ``DeepSeekMTP``
+#: loads of its layout, for planning where vLLM is not installed.
+DRAFT_NAMES = "bench-draft-tensors.json"
 
-    sink = settings.process_sink()
-    loader = loaders.loader_class(load_format)(
-        LoadConfig(load_format=load_format, device=device, use_tqdm_on_load=False)
+
+def bench_plan(directory: str) -> DraftPlan:
+    """The draft's plan: the product's own (vLLM's draft class and the rule the layer gives
+    it) where vLLM can be imported; else a core plan of the checkpoint's headers with the
+    names its layout recorded for ``DeepSeekMTP`` as the rule, the replaced ones by name."""
+    from pathlib import Path
+
+    from hybrid_draft.core import checkpoint, planning
+
+    if vllm_available():
+        from hybrid_draft.tools import draftinfo
+
+        return draftinfo.for_model_dir(directory)
+    wanted = set(json.loads((Path(directory) / DRAFT_NAMES).read_text()))
+    return planning.DraftPlan(
+        tuple(checkpoint.read_checkpoint(directory)),
+        draft_class="DeepSeekMTP",
+        rule_source="layout",
+        rule=lambda name: name not in wanted,
+        shared=frozenset(planning.SHARED_KINDS),
     )
-    model = SimpleNamespace(is_unused_checkpoint_weight=plan.is_unused)
-    model_config = SimpleNamespace(
-        model=address or str(plan.shards[0].path.parent), revision=None, model_weights=""
-    )
-
-    def weights() -> Any:
-        read = draftread.DraftRead(plan=plan, sink=sink, hold=held() if callable(held) else held)
-        read.skipped = dict(plan.replaced)
-        read.sources = {k: {"tensors": 0, "bytes": 0} for k in ("storage", "stream")}
-        loader.draft = read
-        return loader.get_all_weights(model_config, model)
-
-    return weights
 
 
-def _s3_plan(spec: dict[str, Any]) -> Any:
+def _plan(spec: dict[str, Any]) -> DraftPlan:
+    return bench_plan(spec["model_dir"])
+
+
+def _s3_plan(spec: dict[str, Any]) -> DraftPlan:
     """The draft's plan over the shards' ``s3://`` addresses: the local plan's draft class
     and rules, each shard's header read from object storage by the product's ranged
     requests (``objectstore``), as a served load of an ``s3://`` checkpoint plans it."""
@@ -184,43 +195,84 @@ def _s3_plan(spec: dict[str, Any]) -> Any:
     return dataclasses.replace(local, shards=tuple(shards))
 
 
-#: The product's loaders that read onto the CPU in a CPU strategy (the selective one reads
-#: onto the spec's CUDA device).
-_CPU_LOADERS = ("safetensors_filtered", "fastsafetensors_filtered", "runai_streamer_filtered")
+def reader(load_format: str, device: str) -> Callable[[Any], Any]:
+    """The core reader the layer's loader of ``load_format`` reads storage with (its
+    ``read``): onto ``device`` for InstantTensor and fastsafetensors, onto the CPU for the
+    filtered safetensors and Run:ai reads, as those loaders read."""
+    import torch
+
+    from hybrid_draft.core import readers
+
+    if load_format == SELECTIVE:
+        return lambda s: readers.instanttensor_selective_iterator(s, torch.device(device))
+    if load_format == FASTSAFETENSORS_FILTERED:
+        return lambda s: readers.fastsafetensors_filtered_iterator(s, torch.device(device))
+    if load_format == RUNAI_FILTERED:
+        return readers.runai_filtered_iterator
+    return readers.lazy_filtered_iterator
 
 
-def _product(load_format: str, s3: bool = False) -> Callable[[dict[str, Any]], Callable[[], None]]:
-    """The product's draft load, every tensor copied into the draft's buffers; with ``s3``,
-    the draft of the checkpoint's ``s3://`` copy."""
+def draft_weights(plan: DraftPlan, read_storage: Callable[[Any], Any], held: Any = None) -> Any:
+    """One draft load's tensors as the layer's loader hands them to vLLM's ``load_weights``:
+    its read of ``plan`` (the replaced tensors skipped), split between the hold ``held`` and
+    storage (``read_storage``), counted: ``core/draftload.py``, the code the loader runs.
+    The loader adds only what needs vLLM: other ranks' experts skipped (one rank here: none)
+    and, after ``load_weights``, the check that vLLM replaced what was skipped."""
+    from hybrid_draft import settings
+    from hybrid_draft.core import draftload
+    from hybrid_draft.core.draftread import DraftRead
 
-    def make(spec: dict[str, Any]) -> Callable[[], None]:
-        from hybrid_draft.adapter import selective
-        from hybrid_draft.core import policy
+    read = DraftRead(plan=plan, sink=settings.process_sink(), hold=held)
+    read.skipped = dict(plan.replaced)
+    read.sources = draftload.empty_sources()
+    return draftload.weights(read, draftload.reads(read), read_storage)
 
-        if load_format == policy.SELECTIVE and selective.cuda_unavailable() is not None:
-            spec["ran"] = f"auto ({selective.cuda_unavailable()})"
-            fmt, device = policy.FILTERED, "cpu"
-        else:
-            spec["ran"] = load_format
-            fmt, device = (
-                load_format,
-                ("cpu" if load_format in _CPU_LOADERS else spec["device"]),
-            )
-        if s3:
-            weights = _draft_reader(_s3_plan(spec), fmt, device, address=spec["s3"]["uri"])
-        else:
-            weights = _draft_reader(_plan(spec), fmt, device)
-        buffers = _buffers(spec, device, {r[3] for r in spec["tensor_ranges"]})
 
-        def run() -> None:
-            for name, tensor in weights():
-                buffers[name].copy_(tensor)
-            if device != "cpu":
-                _cuda_sync()
+def selective_blocker(device: str) -> str | None:
+    """Why mode ``selective`` reads ``auto``'s way here (None: it streams with InstantTensor):
+    the layer's own host check where vLLM can be imported, else torch's and InstantTensor's."""
+    from hybrid_draft.adapter import selective
 
-        return run
+    if vllm_available():
+        found = selective.host_blocker(device)
+        return None if found is None else found[1]
+    if not device.startswith("cuda"):
+        return "CUDA is not available (torch)"
+    return selective.tensor_filter_supported()
 
-    return make
+
+#: The product's filtered strategies: the load format of the layer's loader each runs the
+#: reader of, and whether it reads the checkpoint's ``s3://`` copy.
+PRODUCT = {
+    "auto": (FILTERED, False),
+    "selective": (SELECTIVE, False),
+    "fastsafetensors_filtered": (FASTSAFETENSORS_FILTERED, False),
+    "runai_filtered": (RUNAI_FILTERED, False),
+    "runai_s3_filtered": (RUNAI_FILTERED, True),
+}
+
+
+def product(spec: dict[str, Any]) -> Callable[[], None]:
+    """The product's draft load (:func:`draft_weights`), every tensor copied into the draft's
+    buffers on the spec's device, as ``load_weights`` copies it into its parameter."""
+    load_format, s3 = PRODUCT[spec["strategy"]]
+    device = spec["device"]
+    if load_format == SELECTIVE:
+        blocked = selective_blocker(device)
+        if blocked is not None:
+            load_format, spec["ran"] = FILTERED, f"auto ({blocked})"
+    spec.setdefault("ran", load_format)
+    plan = _s3_plan(spec) if s3 else _plan(spec)
+    read_storage = reader(load_format, device)
+    buffers = _buffers(spec, device, {r[3] for r in spec["tensor_ranges"]})
+
+    def run() -> None:
+        for name, tensor in draft_weights(plan, read_storage):
+            buffers[name].copy_(tensor)
+        if device != "cpu":
+            _cuda_sync()
+
+    return run
 
 
 def stream_whole_shards(files: list[str], *_args: Any, **_kwargs: Any) -> Any:
@@ -385,20 +437,115 @@ def held_names(model_dir: str) -> frozenset[str]:
         return tap.wanted if tap is not None else frozenset()
 
 
-#: The one-pass strategies: the target's load format, the product's loader its draft is
-#: switched to, and whether the checkpoint is read from its ``s3://`` copy.
-ONE_PASS = {
-    "one_pass": ("instanttensor", "safetensors_filtered", False),
-    "fastsafetensors_one_pass": ("fastsafetensors", "fastsafetensors_filtered", False),
-    "runai_one_pass": ("runai_streamer", "runai_streamer_filtered", False),
-    "runai_s3_one_pass": ("runai_streamer", "runai_streamer_filtered", True),
+def instanttensor_stream(files: list[str], device: str) -> Any:
+    """The target's InstantTensor pass as vLLM's ``instanttensor_weights_iterator`` makes it
+    on one rank: every tensor of every shard onto ``device``, ``copy=True``, InstantTensor
+    sizing its buffer itself."""
+    import instanttensor
+
+    with instanttensor.safe_open(
+        list(files), framework="pt", device=device, process_group=None, copy=True
+    ) as f:
+        yield from f.tensors()
+
+
+def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
+    """The target's pass with the product's tap, then the draft's load from the hold; and
+    the same target pass untapped, alternating, every run cold.
+
+    The target's pass is InstantTensor's real stream onto the CUDA device
+    (:func:`instanttensor_stream`), or, on the CPU, the whole-shard stream that stands for it
+    (:func:`stream_whole_shards`); each tensor it yields is offered to the product's hold
+    (``Hold.offer``, the tap), made as a served target's load makes it (``Hold.of``: the
+    draft's reads less the replaced tensors, within ``hold_budget`` capped at a quarter of
+    what the target leaves free on the device). The draft then takes its tensors from the
+    hold through :func:`draft_weights` (auto's reader for any it misses) into its buffers."""
+    import torch
+
+    from hybrid_draft import settings
+    from hybrid_draft.core import hold
+
+    plan = _plan(spec)
+    device = spec["device"]
+    cuda = device.startswith("cuda")
+    files = spec["files_all"]
+    current = settings.load()
+    budget = hold.effective_budget(
+        int(current.hold_budget.value), hold.free_memory(torch.device(device)), plan.all_bytes
+    )
+    stream = instanttensor_stream if cuda else stream_whole_shards
+    read_storage = reader(FILTERED, device)
+    buffers = _buffers(spec, device, {t.name for t in plan.reads()})
+
+    def target_pass(tap: Any) -> float:
+        start = time.perf_counter()
+        for name, tensor in stream(files, device):
+            if tap is not None:
+                tap.offer(name, tensor)
+        if cuda:
+            _cuda_sync()
+        return time.perf_counter() - start
+
+    out = _phased_result(device)
+    pagecache.settle()  # what setting up started in the background ends before any timing
+    # One untimed pass first: a process's first pass also pays its one-time costs (code
+    # paths, the allocator's growth), which would fall on whichever side ran first.
+    pagecache.evict(files)
+    out["warmup_seconds"] = target_pass(None)
+    for i in range(spec["runs"]):
+        for tapped in (i % 2 == 0, i % 2 != 0):
+            out["cold"].append(pagecache.evict(files) == 0)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            if not tapped:
+                out["untapped_target_seconds"].append(target_pass(None))
+                continue
+            made = hold.Hold.of(plan, None, budget, lambda _name: False, current)
+            out["target_seconds"].append(target_pass(made))
+            out["held_bytes"].append(made.peak_bytes)
+            before, start = pagecache.read_bytes(), time.perf_counter()
+            for name, tensor in draft_weights(plan, read_storage, made):
+                buffers[name].copy_(tensor)
+            if cuda:
+                _cuda_sync()
+            out["seconds"].append(time.perf_counter() - start)
+            out["bytes_read"].append(pagecache.read_bytes() - before)
+            out["resident_bytes"].append(pagecache.resident_bytes(files))
+            if cuda:
+                out["peak_device_bytes"].append(torch.cuda.max_memory_allocated())
+            made.release("the bench's draft load ended")
+    out["peak_rss"] = pagecache.peak_rss()
+    stream_name = "InstantTensor's stream" if cuda else "the whole-shard stream"
+    out["ran"] = f"{stream_name} + tap + {FILTERED}"
+    return out
+
+
+def _phased_result(device: str) -> dict[str, Any]:
+    """The per-run lists of a one-pass strategy, empty."""
+    keys = ("seconds", "bytes_read", "resident_bytes", "cold", "target_seconds")
+    return {
+        **{key: [] for key in keys},
+        "untapped_target_seconds": [],
+        "held_bytes": [],
+        **({"peak_device_bytes": []} if device.startswith("cuda") else {}),
+        "rss_before": pagecache.rss(),
+    }
+
+
+#: The one-pass strategies whose target is read by vLLM's own loader: the target's load
+#: format, the layer's loader its draft is switched to, and whether the checkpoint is read
+#: from its ``s3://`` copy.
+VLLM_ONE_PASS = {
+    "fastsafetensors_one_pass": ("fastsafetensors", FASTSAFETENSORS_FILTERED, False),
+    "runai_one_pass": ("runai_streamer", RUNAI_FILTERED, False),
+    "runai_s3_one_pass": ("runai_streamer", RUNAI_FILTERED, True),
 }
 
 
 def _target_loader(load_format: str) -> Any:
     """The target's loader as vLLM picks it for ``load_format``, reading onto the CPU: its
-    ``DefaultModelLoader`` (InstantTensor's and fastsafetensors' iterators, which need
-    CUDA, stood in for) or its real ``RunaiModelStreamerLoader``."""
+    ``DefaultModelLoader`` (fastsafetensors' iterator, which needs CUDA, stood in for) or
+    its real ``RunaiModelStreamerLoader``."""
     from vllm.config.load import LoadConfig
 
     config = LoadConfig(load_format=load_format, device="cpu", use_tqdm_on_load=False)
@@ -410,21 +557,19 @@ def _target_loader(load_format: str) -> Any:
         return RunaiModelStreamerLoader(config)
     import vllm.model_executor.model_loader.default_loader as default_loader
 
-    # The one stand-in: vLLM's InstantTensor or fastsafetensors read, which needs CUDA.
-    if load_format == "instanttensor":
-        setattr(default_loader, "instanttensor_weights_iterator", stream_whole_shards)  # noqa: B010
-    else:
-        setattr(  # noqa: B010
-            default_loader, "fastsafetensors_weights_iterator", fastsafetensors_whole_shards
-        )
+    # The one stand-in: vLLM's fastsafetensors read, which needs CUDA.
+    setattr(  # noqa: B010
+        default_loader, "fastsafetensors_weights_iterator", fastsafetensors_whole_shards
+    )
     return default_loader.DefaultModelLoader(config)
 
 
-def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
-    """The target's pass with the product's tap, then the draft's load from the hold; and
-    the same target pass untapped, alternating, every run cold. The tap (what it holds,
-    its budget with the free-memory cap, the expert filter) is decided by production's
-    code on the real vLLM configs of serving this checkpoint with the target's format."""
+def vllm_one_pass(spec: dict[str, Any]) -> dict[str, Any]:
+    """A fastsafetensors or Run:ai target's pass through vLLM's own loader with the
+    product's tap, then the draft's load from the hold (:func:`draft_weights`); and the same
+    target pass untapped, alternating, every run cold. The tap (what it holds, its budget
+    with the free-memory cap, the expert filter) is decided by production's code on the
+    real vLLM configs of serving this checkpoint with the target's format."""
     from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
@@ -432,17 +577,15 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
     from hybrid_draft.adapter import loadscope
     from hybrid_draft.core import figures
 
-    target_format, draft_format, s3 = ONE_PASS[spec["strategy"]]
+    target_format, draft_format, s3 = VLLM_ONE_PASS[spec["strategy"]]
     plan = _s3_plan(spec) if s3 else _plan(spec)
     model = spec["s3"]["uri"] if s3 else spec["model_dir"]
     target = _target_loader(target_format)
     config = served_configs(model, target_format)
     target_model: Any = SimpleNamespace()  # the target reads every tensor
     model_config: Any = SimpleNamespace(model=model, revision=None, model_weights="")
-    own = [t for t in plan.kept if t.name not in plan.replaced]
-    current: list[Any] = [None]
-    draft = _draft_reader(plan, draft_format, "cpu", held=lambda: current[0], address=model)
-    buffers = _buffers(spec, "cpu", {t.name for t in own})
+    read_storage = reader(draft_format, "cpu")
+    buffers = _buffers(spec, "cpu", {t.name for t in plan.reads()})
     files = spec["files_all"]
 
     def target_pass(decided: Any, wire: dict[str, list[Any]] | None = None) -> float:
@@ -459,32 +602,10 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
             wire["target_product_network_bytes"].append(cost.network)
         return seconds
 
-    out: dict[str, Any] = {
-        "seconds": [],
-        "bytes_read": [],
-        "resident_bytes": [],
-        "cold": [],
-        "target_seconds": [],
-        "untapped_target_seconds": [],
-        "held_bytes": [],
-        "rss_before": pagecache.rss(),
-    }
-    network: dict[str, list[Any]] | None = (
-        {
-            key: []
-            for key in (
-                "network_bytes",
-                "product_network_bytes",
-                "target_network_bytes",
-                "target_product_network_bytes",
-            )
-        }
-        if s3
-        else None
-    )
+    out = _phased_result("cpu")
+    network: dict[str, list[Any]] | None = {key: [] for key in _NETWORK_KEYS} if s3 else None
     pagecache.settle()  # what setting up started in the background ends before any timing
-    # One untimed pass first: a process's first pass also pays its one-time costs (code
-    # paths, the allocator's growth), which would fall on whichever side ran first.
+    # One untimed pass first, as in one_pass.
     pagecache.evict(files)
     out["warmup_seconds"] = target_pass(None)
     for i in range(spec["runs"]):
@@ -500,11 +621,10 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
                     raise RuntimeError(f"the target's load holds nothing: {decided.target}")
                 out["target_seconds"].append(target_pass(decided, network))
                 out["held_bytes"].append(held.peak_bytes)
-                current[0] = held
                 chars = pagecache.read_chars()
                 before, start = pagecache.read_bytes(), time.perf_counter()
                 with figures.measuring() as cost:
-                    for name, tensor in draft():
+                    for name, tensor in draft_weights(plan, read_storage, held):
                         buffers[name].copy_(tensor)
                 out["seconds"].append(time.perf_counter() - start)
                 out["bytes_read"].append(pagecache.read_bytes() - before)
@@ -513,12 +633,20 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
                     network["product_network_bytes"].append(cost.network)
                 out["resident_bytes"].append(pagecache.resident_bytes(files))
                 held.release("the bench's draft load ended")
-                current[0] = None
     out["peak_rss"] = pagecache.peak_rss()
     out["ran"] = f"tap + {draft_format}"
     if network is not None:
         out.update(network)
     return out
+
+
+#: A one-pass strategy's per-run figures against object storage (``run.py`` reports them).
+_NETWORK_KEYS = (
+    "network_bytes",
+    "product_network_bytes",
+    "target_network_bytes",
+    "target_product_network_bytes",
+)
 
 
 def limit(spec: dict[str, Any]) -> Callable[[], None]:
@@ -552,22 +680,34 @@ def _cuda_sync() -> None:
     torch.cuda.synchronize()
 
 
-def it_full(spec: dict[str, Any], names: list[str] | None = None) -> Callable[[], None]:
-    import instanttensor
+def it_full(spec: dict[str, Any]) -> Callable[[], None]:
+    """Stock vLLM's draft load with ``--load-format instanttensor``: InstantTensor's full
+    pass onto the device, every tensor of every shard (none kept)."""
 
     def run() -> None:
-        kwargs: dict[str, Any] = {}
-        files = spec["files_all"]
-        if names is not None:
-            kwargs = {"tensor_filter": list(names), "tensor_name_match_mode": "exact"}
-            files = spec["files_own"]
+        for _name, _tensor in instanttensor_stream(spec["files_all"], spec["device"]):
+            pass
+        _cuda_sync()
+
+    return run
+
+
+def it_selective(spec: dict[str, Any]) -> Callable[[], None]:
+    """InstantTensor with ``tensor_filter`` over the draft's own tensors and every other
+    argument its default: the selective read as it was before it was sized to the draft."""
+    import instanttensor
+
+    names = [r[3] for r in spec["tensor_ranges"]]
+
+    def run() -> None:
         with instanttensor.safe_open(
-            list(files),
+            list(spec["files_own"]),
             framework="pt",
             device=spec["device"],
             process_group=None,
             copy=True,
-            **kwargs,
+            tensor_filter=names,
+            tensor_name_match_mode="exact",
         ) as f:
             for _name, _tensor in f.tensors():
                 pass
@@ -576,116 +716,33 @@ def it_full(spec: dict[str, Any], names: list[str] | None = None) -> Callable[[]
     return run
 
 
-def it_selective(spec: dict[str, Any]) -> Callable[[], None]:
-    return it_full(spec, [r[3] for r in spec["tensor_ranges"]])
-
-
-def lazy_to_gpu(spec: dict[str, Any]) -> Callable[[], None]:
-    from safetensors import safe_open
-
-    buffers = _buffers(spec, spec["device"], {r[3] for r in spec["tensor_ranges"]})
-
-    def run() -> None:
-        for path in spec["files_own"]:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    if name in buffers:
-                        buffers[name].copy_(f.get_tensor(name))
-        _cuda_sync()
-
-    return run
-
-
-def it_one_pass(spec: dict[str, Any]) -> dict[str, Any]:
-    """On the GPU: InstantTensor's full pass keeping the draft's tensors (the tap's work: a
-    dictionary of references), then the draft's buffers filled from them; the untapped pass
-    alternating; the device's peak memory for each."""
-    import instanttensor
-    import torch
-
-    wanted = {r[3] for r in spec["tensor_ranges"]}
-    out: dict[str, Any] = {
-        "seconds": [],
-        "bytes_read": [],
-        "resident_bytes": [],
-        "cold": [],
-        "target_seconds": [],
-        "untapped_target_seconds": [],
-        "held_bytes": [],
-        "peak_device_bytes": [],
-        "rss_before": pagecache.rss(),
-    }
-    buffers = _buffers(spec, spec["device"], wanted)
-
-    def target_pass(tapped: bool) -> tuple[float, dict[str, Any]]:
-        held: dict[str, Any] = {}
-        start = time.perf_counter()
-        with instanttensor.safe_open(
-            list(spec["files_all"]),
-            framework="pt",
-            device=spec["device"],
-            process_group=None,
-            copy=True,
-        ) as f:
-            for name, tensor in f.tensors():
-                if tapped and name in wanted:
-                    held[name] = tensor
-        _cuda_sync()
-        return time.perf_counter() - start, held
-
-    pagecache.settle()
-    # One untimed pass first, as in one_pass: the process's one-time costs fall on neither side.
-    pagecache.evict(spec["files_all"])
-    out["warmup_seconds"] = target_pass(False)[0]
-    for i in range(spec["runs"]):
-        for tapped in (i % 2 == 0, i % 2 != 0):
-            out["cold"].append(pagecache.evict(spec["files_all"]) == 0)
-            torch.cuda.reset_peak_memory_stats()
-            seconds, held = target_pass(tapped)
-            if not tapped:
-                out["untapped_target_seconds"].append(seconds)
-                continue
-            out["target_seconds"].append(seconds)
-            out["held_bytes"].append(sum(t.numel() * t.element_size() for t in held.values()))
-            before, start = pagecache.read_bytes(), time.perf_counter()
-            for name in list(held):
-                buffers[name].copy_(held.pop(name))
-            _cuda_sync()
-            out["seconds"].append(time.perf_counter() - start)
-            out["bytes_read"].append(pagecache.read_bytes() - before)
-            out["resident_bytes"].append(pagecache.resident_bytes(spec["files_all"]))
-            out["peak_device_bytes"].append(torch.cuda.max_memory_allocated())
-    out["peak_rss"] = pagecache.peak_rss()
-    return out
-
-
 #: Strategies that time their own phases (one pass: the target's pass, then the draft's).
 PHASED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    **{name: one_pass for name in ONE_PASS},
-    "it_one_pass": it_one_pass,
+    "one_pass": one_pass,
+    **{name: vllm_one_pass for name in VLLM_ONE_PASS},
 }
 STRATEGIES: dict[str, Callable[[dict[str, Any]], Callable[[], None]]] = {
     "full_pass": full_pass,
     "lazy": _lazy("files_all"),
     "lazy_pruned": _lazy("files_pruned"),
-    "auto": _product("safetensors_filtered"),
-    "selective": _product("instanttensor_selective"),
+    **{name: product for name in PRODUCT},
     "limit": limit,
     "fastsafetensors_stock": fastsafetensors_stock,
-    "fastsafetensors_filtered": _product("fastsafetensors_filtered"),
     "runai_stock": _runai_stock(s3=False),
-    "runai_filtered": _product("runai_streamer_filtered"),
     "runai_s3_stock": _runai_stock(s3=True),
-    "runai_s3_filtered": _product("runai_streamer_filtered", s3=True),
     "it_full": it_full,
     "it_selective": it_selective,
-    "lazy_to_gpu": lazy_to_gpu,
 }
+#: The strategies that put the draft's tensors on the spec's device (a CUDA one where there
+#: is one); the others read onto the CPU.
+ON_DEVICE = frozenset({*PRODUCT, "one_pass", *GPU_STRATEGIES})
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec["strategy"] not in ON_DEVICE:
+        spec["device"] = "cpu"
     if spec["strategy"] in PHASED:
-        return PHASED[spec["strategy"]](spec)
+        return {**PHASED[spec["strategy"]](spec), "device": spec["device"]}
     run = STRATEGIES[spec["strategy"]](spec)
     pagecache.settle()  # what setting up started in the background ends before any timing
     files = spec["files_all"]
@@ -695,8 +752,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "resident_bytes": [],
         "cold": [],
         "rss_before": pagecache.rss(),
+        "device": spec["device"],
     }
-    gpu = spec["strategy"] in GPU_STRATEGIES
+    gpu = spec["device"].startswith("cuda")
     network = spec["strategy"] in S3_STRATEGIES
     if network:
         from hybrid_draft.core import figures
@@ -741,6 +799,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
+    if spec.get("without_vllm"):
+        block_vllm()
     if "s3" in spec:  # vLLM's copies of an s3:// model's config files: the worker's own
         os.environ["VLLM_ASSETS_CACHE"] = os.path.join(
             os.path.dirname(spec["result_file"]), "vllm-assets"
