@@ -30,27 +30,32 @@ CHANGES = ("install", "upgrade", "remove", "purge")
 
 @dataclass(frozen=True)
 class Record:
-    """What scripts/system-setup wrote: when it finished and each package's version."""
+    """What scripts/system-setup wrote: when it finished, each host package's version, and
+    each package unpacked into build/system-tools (never installed) with its release."""
 
     finished: float
     packages: dict[str, str] = field(default_factory=dict)
+    tools: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def read_record(path: Path) -> Record:
     """Parse the record; ValueError names the line that is not one the set-up step writes."""
     finished: float | None = None
     packages: dict[str, str] = {}
+    tools: dict[str, tuple[str, str]] = {}
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         words = line.split()
         if len(words) == 3 and words[0] == "finished":
             finished = float(words[1])
         elif len(words) == 3 and words[0] == "package":
             packages[words[1]] = words[2]
+        elif len(words) == 4 and words[0] == "tool":
+            tools[words[1]] = (words[2], words[3])
         else:
             raise ValueError(f"{path}:{n}: not a line scripts/system-setup writes: {line!r}")
     if finished is None:
         raise ValueError(f"{path}: no 'finished' line")
-    return Record(finished, packages)
+    return Record(finished, packages, tools)
 
 
 def changes_since(log_text: str, since: float) -> list[str]:
