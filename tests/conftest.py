@@ -61,17 +61,22 @@ SESSION_STARTED = time.time()
 
 def pytest_report_header() -> list[str]:
     """The host's CPU, which vLLM's CPU code picks its kernels by (docs/testing.md), and the
-    system packages scripts/system-setup left before the session started."""
+    system packages scripts/system-setup left before the session started (and the tools it
+    unpacked into build/system-tools, never installed)."""
     forced = " (AMX selection forced)" if os.environ.get(hostcpu.FORCE_ENV) == "1" else ""
     lines = [f"host CPU: {hostcpu.describe()}{forced}"]
     path = systemsetup.record_path()
     if path is not None and path.is_file():
         try:
-            packages = systemsetup.read_record(path).packages
+            record = systemsetup.read_record(path)
         except ValueError as e:
             lines.append(f"system packages: {e}")
         else:
-            lines.append("system packages: " + ", ".join(f"{k} {v}" for k, v in packages.items()))
+            packages = record.packages.items()
+            lines.append("system packages: " + ", ".join(f"{k} {v}" for k, v in packages))
+            if record.tools:
+                tools = ", ".join(f"{k} {v} ({r})" for k, (v, r) in record.tools.items())
+                lines.append(f"unpacked, not installed: {tools}")
     return lines
 
 

@@ -38,10 +38,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     if os.geteuid() != 0:
         pytest.exit("the image test needs root (buildah, debootstrap, ip netns)", returncode=2)
-    for tool in ("buildah", "debootstrap", "ip", "docker", "dockerd", "nsenter"):
-        if shutil.which(tool) is None:
+    host_path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    for tool in ("buildah", "debootstrap", "ip", "nsenter", "iptables", "runc"):
+        if shutil.which(tool, path=host_path) is None:
             pytest.exit(
                 f"the image test needs {tool}: run scripts/system-setup as root, which installs it",
+                returncode=2,
+            )
+    for program in (docker_engine.DOCKER, docker_engine.DOCKERD):
+        if not os.access(program, os.X_OK):
+            pytest.exit(
+                f"the image test needs {program}: run scripts/system-setup as root, which "
+                "unpacks Docker Engine 26 there",
                 returncode=2,
             )
     buildah.remove_leftovers()

@@ -8,6 +8,11 @@ container, build step or published port can reach beyond this machine; it is sta
 needs). Its data (overlay2: vfs would copy every layer) is under build/docker-engine/ and
 is removed when the engine stops, as is the namespace. No registry is reachable from it: the
 bases come from buildah's storage (:meth:`Engine.load`).
+
+Its programs are Debian trixie's Docker Engine 26, buildx and Compose v2, which
+scripts/system-setup unpacks into build/system-tools (:data:`TOOLS`) and never installs
+(bookworm has none of them; installed, trixie's packages upgrade the host's libc): each is run
+from there by its path, never found on PATH.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ import hostcpu
 from buildfiles import REPO
 
 ROOT = REPO / "build" / "docker-engine"
+#: Where the engine's programs are (scripts/system-setup, HYBRID_DRAFT_SYSTEM_TOOLS): bin/ holds
+#: docker, dockerd and what dockerd runs (containerd, containerd-shim-runc-v2, docker-init,
+#: docker-proxy), cli-plugins/ docker-buildx and docker-compose. runc and iptables are the
+#: host's own (bookworm's).
+TOOLS = Path(os.environ.get("HYBRID_DRAFT_SYSTEM_TOOLS", REPO / "build" / "system-tools"))
+BIN = TOOLS / "bin"
+DOCKER = BIN / "docker"
+DOCKERD = BIN / "dockerd"
+CLI_PLUGINS = TOOLS / "cli-plugins"
 NETNS = f"{buildah.PREFIX}docker"
 CPU_COMPOSE = Path(__file__).with_name("cpu-compose.yaml")
 #: The compose project compose.yaml names (``name:``): its volumes are PROJECT_NAME.
@@ -96,11 +110,21 @@ class Engine:
     def pidfile(self) -> Path:
         return self.root / "dockerd.pid"
 
+    @property
+    def config(self) -> Path:
+        """The docker CLI's configuration (DOCKER_CONFIG): its plugins, buildx's state."""
+        return self.root / "docker-config"
+
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """The environment of a docker command: this engine, and nothing of a user's
-        compose or bake variables but ``extra``."""
+        """The environment of a docker command: this engine, its own CLI configuration, and
+        nothing of a user's compose or bake variables but ``extra``."""
         keep = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TERM")}
-        return {**keep, "DOCKER_HOST": f"unix://{self.socket}", **(extra or {})}
+        return {
+            **keep,
+            "DOCKER_HOST": f"unix://{self.socket}",
+            "DOCKER_CONFIG": str(self.config),
+            **(extra or {}),
+        }
 
     def docker(
         self,
@@ -112,7 +136,7 @@ class Engine:
     ) -> subprocess.CompletedProcess[str]:
         """``docker ARGS`` against this engine; with ``log``, its output goes there too."""
         out = subprocess.run(
-            ["docker", *args],
+            [str(DOCKER), *args],
             cwd=REPO,
             env=self.env(env),
             stdout=subprocess.PIPE,
@@ -131,6 +155,11 @@ class Engine:
     def start(self) -> None:
         self.stop()  # a run that was killed half-way leaves its engine behind
         self.root.mkdir(parents=True)
+        self.config.mkdir()
+        (self.config / "cli-plugins").symlink_to(CLI_PLUGINS)
+        # dockerd finds containerd, its shim, docker-init and docker-proxy on its PATH, the
+        # host's runc and iptables after them.
+        path = os.pathsep.join([str(BIN), os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
         subprocess.run(["ip", "netns", "add", self.netns], check=True)
         subprocess.run(
             ["ip", "netns", "exec", self.netns, "ip", "link", "set", "lo", "up"], check=True
@@ -140,7 +169,7 @@ class Engine:
                 [
                     "nsenter",
                     f"--net=/run/netns/{self.netns}",
-                    "dockerd",
+                    str(DOCKERD),
                     "--data-root",
                     str(self.root / "data"),
                     "--exec-root",
@@ -155,6 +184,7 @@ class Engine:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, "PATH": path},
             )
         deadline = time.monotonic() + 60
         while self.docker("info", check=False, timeout=10).returncode != 0:

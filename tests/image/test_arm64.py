@@ -6,8 +6,9 @@ arm64 code under QEMU user emulation (binfmt_misc), the build's ``hybrid-draft d
 included, which imports that vLLM without a GPU; then the image's own doctor runs in a
 container of it.
 
-Opt-in (HYBRID_DRAFT_IMAGE_TEST_ARM64=1; scripts/image-test then installs QEMU 10 from
-trixie: bookworm's 7.2 shows the host's x86 /proc/cpuinfo, and torch's aarch64 build dies
+Opt-in (HYBRID_DRAFT_IMAGE_TEST_ARM64=1; scripts/system-setup then unpacks QEMU 10 from
+Debian trixie into build/system-tools, never installing it, and scripts/image-test registers
+it: bookworm's 7.2 shows the host's x86 /proc/cpuinfo, and torch's aarch64 build dies
 importing there): importing vLLM and torch under emulation takes minutes on each run
 (docs/testing.md has the figures).
 """
@@ -50,9 +51,9 @@ def arm64(engine: Engine) -> Baked:
     registered = [p for p in BINFMT.glob("*aarch64*") if "enabled" in p.read_text()]
     if not registered:
         pytest.fail(
-            f"no binfmt_misc handler for arm64 in {BINFMT}: install qemu-user-static 8 or "
-            "later and binfmt-support (scripts/image-test does with "
-            "HYBRID_DRAFT_IMAGE_TEST_ARM64=1)"
+            f"no binfmt_misc handler for arm64 in {BINFMT}: run scripts/system-setup and "
+            "scripts/image-test with HYBRID_DRAFT_IMAGE_TEST_ARM64=1 (they unpack QEMU 10 "
+            "and register it)"
         )
     return baked("arm64")
 
