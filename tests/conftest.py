@@ -47,11 +47,22 @@ collect_ignore = ["image"]
 
 @pytest.fixture(scope="session", autouse=True)
 def _amx_when_asked() -> Iterator[None]:
-    """With ``HYBRID_DRAFT_TEST_AMX=1`` the session selects as an AMX host would."""
+    """With ``HYBRID_DRAFT_TEST_AMX=1`` the host answers AMX yes, as an AMX host does."""
     if os.environ.get(hostcpu.FORCE_ENV) != "1":
         yield
         return
     with hostcpu.force_amx():
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _inprocess_kernels(request: pytest.FixtureRequest, _amx_when_asked: None) -> Iterator[None]:
+    """Every in-process vLLM load of the session takes the kernels the library vLLM loads here
+    holds, decided once (tests/hostcpu.py), whatever the host or an earlier test answered."""
+    if not any(item.get_closest_marker("vllm") for item in request.session.items):
+        yield  # no test of this session runs vLLM in this process
+        return
+    with hostcpu.inprocess_session():
         yield
 
 
@@ -227,13 +238,13 @@ def engine_config(
     from vllm.engine.arg_utils import EngineArgs
 
     spec = dict(speculative_config or {"method": "mtp", "num_speculative_tokens": 1})
-    config = json.loads((Path(config_dir or model) / "config.json").read_text())
-    if config.get("kv_lora_rank") or config.get("text_config", {}).get("kv_lora_rank"):
-        for key, value in hostcpu.inprocess_mla_backend().items():  # tests/hostcpu.py
-            kwargs.setdefault(key, value)
-            spec.setdefault(key, value)
-    kwargs.setdefault("dtype", "float32")  # the CUDA build's CPU kernels: float32 on any host
-    return EngineArgs(
+    hf_config = json.loads((Path(config_dir or model) / "config.json").read_text())
+    chosen = hostcpu.inprocess_engine_args(hf_config)  # the same on every host
+    for key, value in chosen.items():
+        kwargs.setdefault(key, value)
+    if "attention_backend" in chosen:
+        spec.setdefault("attention_backend", kwargs["attention_backend"])
+    config = EngineArgs(
         model=str(model),
         load_format=load_format,
         speculative_config=spec,
@@ -242,6 +253,9 @@ def engine_config(
         enforce_eager=True,
         **kwargs,
     ).create_engine_config()
+    if config.model_config.use_mla and "attention_backend" not in chosen:
+        raise AssertionError(f"{model}: vLLM builds MLA, which tests/hostcpu.py did not see")
+    return config
 
 
 class Loaded:

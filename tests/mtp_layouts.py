@@ -1092,7 +1092,7 @@ family(
             "language_model.model.layers.{n}.",
             {**NEXTN, **NEXTN_OWN, **NORMS, **_KIMI_MLA, **_KIMI_MOE, **_KIMI_RES},
         ),
-        engine={"mamba_block_size": 128},  # the MLA backend: tests/hostcpu.py, per host
+        engine={"mamba_block_size": 128},  # the MLA backend: tests/hostcpu.py
         cuda_standins=("cuda_stream",),
     ),
 )
@@ -1401,7 +1401,7 @@ family(
                 "self_attn.indexer.k_norm.bias": "16",
             },
         ),
-        engine={"mamba_block_size": 128},  # the MLA backend: tests/hostcpu.py, per host
+        engine={"mamba_block_size": 128},  # the MLA backend: tests/hostcpu.py
         cuda_standins=("sparse_attention_as_dense",),
     ),
 )

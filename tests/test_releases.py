@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-import hostcpu
 from conftest import (
     Events,
     Recorder,
@@ -131,14 +130,14 @@ def test_a_quantized_copy_of_the_targets_head_replaces_the_drafts_own(
     target's head in the draft (its ``lm_head`` and each MTP layer's ``shared_head.head``),
     so the draft's own head is replaced all the same: it is skipped, never read, and the
     draft serves with the copy."""
-    # (vLLM quantizes a copy of an unquantized bfloat16 or float16 head only. bfloat16 on an
-    # AMX host would take kernels the CUDA build lacks: the config names CPU_MLA there, as
-    # for every in-process MLA load, and the load keeps vLLM's other AMX paths off.)
+    # (vLLM quantizes a copy of an unquantized bfloat16 or float16 head only. In bfloat16,
+    # vLLM's AMX paths would take kernels the CUDA build lacks: the in-process load takes
+    # CPU_MLA and no AMX path on every host, as every in-process load does: tests/hostcpu.py.)
     spec = {"method": "mtp", "num_speculative_tokens": 1, "draft_lm_head_quantization": "fp8"}
     from hybrid_draft.adapter import loadscope
 
     config = engine_config(deepseek, speculative_config=spec, dtype="bfloat16")
-    with hostcpu.without_amx(), loadscope.scope():
+    with loadscope.scope():
         loaded = load_target_and_draft(config, route_or_skip("mrv2_eagle"))
     replaced = draft_tensors(deepseek, loaded.draft, replaced=True)
     (load,) = [e for e in events.named("hybrid_draft.loaded") if e["role"] == "draft"]
