@@ -76,6 +76,8 @@ __all__ = [
     "reading",
     "register",
     "runai_filtered_iterator",
+    "unfiltered",
+    "unfiltered_formats",
 ]
 
 
@@ -129,6 +131,25 @@ def available_formats() -> tuple[str, ...]:
         policy.INSTANTTENSOR,
         *(fmt for fmt, need in _LIBRARIES.items() if _reads_filtered(*need)),
     )
+
+
+@functools.cache
+def unfiltered_formats() -> tuple[str, ...]:
+    """The target formats whose library imports here but cannot filter by tensor name (an
+    older fastsafetensors or Run:ai Model Streamer): their drafts load as vLLM loads them,
+    and their decisions say why (``no_tensor_filter``)."""
+    return tuple(
+        fmt
+        for fmt, need in _LIBRARIES.items()
+        if importlib.util.find_spec(need[0]) is not None and not _reads_filtered(*need)
+    )
+
+
+def unfiltered(current: settings.Settings) -> tuple[str, ...]:
+    """:func:`unfiltered_formats` less those ``keep_formats`` leaves to vLLM anyway (the
+    setting is then the reason)."""
+    keep = tuple(current.keep_formats.value)
+    return tuple(f for f in unfiltered_formats() if f not in keep)
 
 
 def handled_formats(current: settings.Settings) -> tuple[str, ...]:
