@@ -5,8 +5,9 @@ Imported only after vLLM is (``loaders.register``). :class:`PlannedDraftLoader` 
 draft's :class:`~hybrid_draft.core.draftread.DraftRead` and hands the core
 (``core/draftload.py``) what only vLLM knows: which experts this rank skips. The core splits
 the read between the hold and storage and counts both; this class checks the skip of
-replaced tensors after vLLM's ``load_weights``. A subclass per target format says only how storage is read
-(:meth:`PlannedDraftLoader.read`); each names the load format it is registered under.
+replaced tensors after vLLM's ``load_weights``. A subclass per target format says only how
+storage is read (:meth:`PlannedDraftLoader.read`); each names the load format it is
+registered under.
 """
 
 from __future__ import annotations
