@@ -10,6 +10,7 @@ vLLM's own list of files.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Generator
 from typing import Any
@@ -206,7 +207,8 @@ def runai_filtered_iterator(
     shards = [selection.shards[p] for p in paths]
     access = access or objectstore.Access()
     objectstore.verify(shards, access, "before the draft's tensors were read")
-    with objectstore.runai_limits(access):
+    remote = any(map(figures.is_object_uri, paths))
+    with objectstore.runai_limits(access) if remote else contextlib.nullcontext():
         try:
             with (
                 SafetensorsStreamer() as streamer,
