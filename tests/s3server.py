@@ -11,6 +11,15 @@ request to a log file, flushed as it happens, which the test process reads back.
         subprocess.run([...], env=s3.client_env(), check=True)
         assert s3.bytes_by_key()["draft/model.safetensors"] == expected
 
+A second middleware injects one fault at a time into the requests it matches (:class:`Fault`:
+a 503 SlowDown for K requests, a connection closed mid-body, an object replaced or truncated
+after N requests, a 403 or 404, a delay or a stall), armed from the test process
+(``S3Server.arm``) through a control path no S3 client uses (``/_faults``):
+
+    s3.arm(Fault.status(key, 503, "SlowDown", times=2))
+    ...  # a load; the two first GETs of ``key`` are answered 503, the third by moto
+    assert s3.fault_state()["applied"] == 2
+
 Path-style addressing only (``http://127.0.0.1:PORT/bucket/key``): a virtual host like
 ``bucket.127.0.0.1`` does not resolve, hence ``RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING=0``
 in ``env``.
@@ -19,9 +28,11 @@ in ``env``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +42,7 @@ import urllib.error
 import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -89,6 +100,8 @@ class Served:
     complete: bool
     started: float
     ended: float
+    #: The kind of the fault injected into this request (None: moto answered it as it is).
+    fault: str | None = None
 
     @property
     def is_object_get(self) -> bool:
@@ -109,6 +122,93 @@ class Served:
         if not first or not last or "," in last:
             return None
         return int(first), int(last)
+
+
+#: The control path of the fault middleware (no bucket name starts with ``_``).
+FAULTS_PATH = "/_faults"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault, injected into the requests it matches: ``method`` in ``methods``, object
+    ``key`` (exactly; ``""``: any object) in ``bucket`` (None: any).
+
+    Matching requests are counted from 1 as they arrive. The fault lets the first ``after``
+    through, then applies to the next ``times`` (None: every one after), by ``kind``:
+
+    - ``status``: answered ``status`` with an S3 error document of ``code`` (no body for HEAD);
+    - ``reset``: moto's answer, its connection shut down after ``sent`` body bytes;
+    - ``replace``: before the first request it applies to is answered, the object's bytes
+      become those of the local file ``body`` (a PUT through moto: a new ETag), once;
+    - ``delay``: answered by moto after ``seconds``;
+    - ``stall``: moto's headers and ``sent`` body bytes, then nothing for ``seconds``, then the
+      connection is shut down.
+
+    ``disarm`` (or arming another) ends a delay or a stall at once.
+    """
+
+    kind: str
+    key: str
+    bucket: str | None = None
+    methods: tuple[str, ...] = ("GET",)
+    after: int = 0
+    times: int | None = None
+    status: int = 503
+    code: str = "SlowDown"
+    seconds: float = 0.0
+    body: str | None = None
+    sent: int = 0
+
+    KINDS = ("status", "reset", "replace", "delay", "stall")
+
+    @classmethod
+    def error(cls, key: str, status: int, code: str, **kw: Any) -> Fault:
+        return cls("status", key, status=status, code=code, **kw)
+
+    @classmethod
+    def throttle(cls, key: str, times: int | None, **kw: Any) -> Fault:
+        """503 SlowDown, as S3 throttles."""
+        return cls("status", key, status=503, code="SlowDown", times=times, **kw)
+
+    @classmethod
+    def deny(cls, key: str, **kw: Any) -> Fault:
+        """403 AccessDenied, on every request it matches unless ``times`` says otherwise."""
+        return cls("status", key, status=403, code="AccessDenied", **kw)
+
+    @classmethod
+    def missing(cls, key: str, **kw: Any) -> Fault:
+        """404 NoSuchKey."""
+        return cls("status", key, status=404, code="NoSuchKey", **kw)
+
+    @classmethod
+    def reset(cls, key: str, sent: int = 0, times: int | None = 1, **kw: Any) -> Fault:
+        return cls("reset", key, sent=sent, times=times, **kw)
+
+    @classmethod
+    def replace_with(cls, key: str, body: Path | str, after: int = 0, **kw: Any) -> Fault:
+        return cls("replace", key, body=str(body), after=after, times=1, **kw)
+
+    @classmethod
+    def delay(cls, key: str, seconds: float, times: int | None = None, **kw: Any) -> Fault:
+        return cls("delay", key, seconds=seconds, times=times, **kw)
+
+    @classmethod
+    def stall(cls, key: str, seconds: float, sent: int = 0, **kw: Any) -> Fault:
+        return cls("stall", key, seconds=seconds, sent=sent, times=None, **kw)
+
+    def as_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["methods"] = list(self.methods)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Fault:
+        fault = cls(**{**data, "methods": tuple(data.get("methods", ("GET",)))})
+        if fault.kind not in cls.KINDS:
+            raise ValueError(f"unknown fault kind {fault.kind!r}; one of {', '.join(cls.KINDS)}")
+        if fault.kind == "replace" and not fault.body:
+            raise ValueError("a replace fault needs body, a local file")
+        return fault
 
 
 class S3ServerError(RuntimeError):
@@ -337,6 +437,29 @@ class S3Server:
                 out[(r.bucket, r.key)].append((r.range, r.sent))
         return dict(out)
 
+    # -- faults -----------------------------------------------------------------------------
+
+    def arm(self, fault: Fault) -> None:
+        """Inject ``fault`` from now on (in place of any armed before; counts start at 0)."""
+        self._control("POST", fault.as_json())
+
+    def disarm(self) -> dict[str, Any]:
+        """No fault from now on (a delay or stall under way ends); what the last one did."""
+        return self._control("DELETE")
+
+    def fault_state(self) -> dict[str, Any]:
+        """``{"fault": armed or None, "matched": N, "applied": M}``: the requests the armed
+        fault matched so far, and those it changed."""
+        return self._control("GET")
+
+    def _control(self, method: str, body: Any = None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.endpoint}{FAULTS_PATH}", data=data, method=method)
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(request, timeout=10) as resp:
+            result: dict[str, Any] = json.loads(resp.read())
+        return result
+
     # -- internals --------------------------------------------------------------------------
 
     def _settle(self, timeout: float = SETTLE_TIMEOUT_S) -> str:
@@ -423,11 +546,17 @@ class _Recorder:
     """WSGI middleware: a ``start`` line when a request arrives, an ``end`` line (the
     ``Served`` fields) once its body has been handed over or abandoned."""
 
-    def __init__(self, app: Callable[..., Iterable[bytes]], log_path: Path) -> None:
+    def __init__(
+        self,
+        app: Callable[..., Iterable[bytes]],
+        log_path: Path,
+        faults: _Faults | None = None,
+    ) -> None:
         self._app = app
         self._lock = threading.Lock()
         self._seq = 0
         self._log = log_path.open("a", encoding="utf-8")
+        self._faults = faults
 
     def write(self, rec: dict[str, Any]) -> None:
         with self._lock:
@@ -437,6 +566,8 @@ class _Recorder:
     def __call__(
         self, environ: dict[str, Any], start_response: Callable[..., Any]
     ) -> Iterable[bytes]:
+        if self._faults is not None and environ.get("PATH_INFO") == FAULTS_PATH:
+            return self._faults.control(environ, start_response)  # not an S3 request
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -479,9 +610,186 @@ class _Recorder:
             body = self._app(environ, counting_start_response)
         except BaseException:
             rec["ended"] = time.time()
+            rec["fault"] = environ.get(_FAULT_KEY)
             self.write(rec)
             raise
+        rec["fault"] = environ.get(_FAULT_KEY)
         return _Counted(body, rec, self.write)
+
+
+#: Where the fault middleware notes, in a request's environ, the fault it injected.
+_FAULT_KEY = "s3server.fault"
+
+
+class _Faults:
+    """The armed fault (one at a time), its counts, and the control path's handler."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.fault: Fault | None = None
+        self.matched = 0
+        self.applied = 0
+        self.release = threading.Event()
+
+    def control(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        method = environ.get("REQUEST_METHOD", "")
+        status = "200 OK"
+        with self._lock:
+            before = self.state()
+            try:
+                if method == "POST":
+                    size = int(environ.get("CONTENT_LENGTH") or 0)
+                    fault = Fault.from_json(json.loads(environ["wsgi.input"].read(size)))
+                    self._reset(fault)
+                elif method == "DELETE":
+                    self._reset(None)
+                elif method != "GET":
+                    raise ValueError(f"{method} {FAULTS_PATH}: GET, POST or DELETE")
+                out = before if method == "DELETE" else self.state()
+            except (ValueError, TypeError, KeyError) as exc:
+                status, out = "400 Bad Request", {"error": f"{type(exc).__name__}: {exc}"}
+        data = json.dumps(out).encode()
+        start_response(
+            status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
+        )
+        return [data]
+
+    def _reset(self, fault: Fault | None) -> None:
+        self.release.set()  # a delay or stall under way ends now
+        self.release = threading.Event()
+        self.fault, self.matched, self.applied = fault, 0, 0
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "fault": self.fault.as_json() if self.fault is not None else None,
+            "matched": self.matched,
+            "applied": self.applied,
+        }
+
+    def match(self, method: str, bucket: str, key: str) -> tuple[Fault, threading.Event] | None:
+        """The armed fault if it applies to this request (counted), else None."""
+        with self._lock:
+            fault = self.fault
+            if (
+                fault is None
+                or not key
+                or method not in fault.methods
+                or (fault.key and key != fault.key)
+                or (fault.bucket is not None and bucket != fault.bucket)
+            ):
+                return None
+            self.matched += 1
+            n = self.matched - fault.after
+            if n < 1 or (fault.times is not None and n > fault.times):
+                return None
+            self.applied += 1
+            return fault, self.release
+
+
+class _Faulty:
+    """WSGI middleware: the armed :class:`Fault` injected into the requests it matches."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], faults: _Faults) -> None:
+        self._app = app
+        self._faults = faults
+
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "").encode("latin-1").decode("utf-8", "replace")
+        bucket, _, key = path.lstrip("/").partition("/")
+        method = environ.get("REQUEST_METHOD", "")
+        found = self._faults.match(method, bucket, key)
+        if found is None:
+            return self._app(environ, start_response)
+        fault, release = found
+        environ[_FAULT_KEY] = fault.kind
+        if fault.kind == "status":
+            return _error(start_response, fault, method, bucket, key)
+        if fault.kind == "replace":
+            self._put(environ, bucket, key, Path(fault.body or "").read_bytes())
+            return self._app(environ, start_response)
+        if fault.kind == "delay":
+            release.wait(fault.seconds)
+            return self._app(environ, start_response)
+        body = self._app(environ, start_response)
+        return _cut(body, environ, fault, release)
+
+    def _put(self, environ: dict[str, Any], bucket: str, key: str, data: bytes) -> None:
+        """The object's bytes replaced through moto itself (a PUT in this request's name)."""
+        from werkzeug.test import EnvironBuilder
+
+        headers = {
+            name[5:].replace("_", "-").title(): value
+            for name, value in environ.items()
+            if name in ("HTTP_HOST", "HTTP_AUTHORIZATION")
+        }
+        put = EnvironBuilder(
+            path=f"/{bucket}/{key}", method="PUT", data=data, headers=headers
+        ).get_environ()
+        statuses: list[str] = []
+        body = self._app(put, lambda status, _headers, _exc=None: statuses.append(status))
+        for _ in body:
+            pass
+        close = getattr(body, "close", None)
+        if close is not None:
+            close()
+        if not statuses or not statuses[0].startswith("200"):
+            raise S3ServerError(f"replacing {bucket}/{key} failed: {statuses}")
+
+
+def _error(
+    start_response: Callable[..., Any], fault: Fault, method: str, bucket: str, key: str
+) -> Iterable[bytes]:
+    """An S3 error answer: its XML document (none for HEAD)."""
+    doc = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{fault.code}</Code><Message>injected by the test server</Message>"
+        f"<Key>{key}</Key><BucketName>{bucket}</BucketName>"
+        "<RequestId>s3server-fault</RequestId></Error>"
+    ).encode()
+    reason = {403: "Forbidden", 404: "Not Found", 500: "Internal Server Error"}.get(
+        fault.status, "Service Unavailable" if fault.status == 503 else "Error"
+    )
+    data = b"" if method == "HEAD" else doc
+    start_response(
+        f"{fault.status} {reason}",
+        [
+            ("Content-Type", "application/xml"),
+            ("Content-Length", str(len(data))),
+            ("x-amz-request-id", "s3server-fault"),
+        ],
+    )
+    return [data]
+
+
+def _cut(
+    body: Iterable[bytes], environ: dict[str, Any], fault: Fault, release: threading.Event
+) -> Iterator[bytes]:
+    """``body``, shut down after ``fault.sent`` bytes (a stall first waits ``seconds``)."""
+    left = fault.sent
+    try:
+        for chunk in body:
+            if len(chunk) < left:
+                left -= len(chunk)
+                yield chunk
+                continue
+            if left:
+                yield chunk[:left]
+            break
+        if fault.kind == "stall":
+            release.wait(fault.seconds)
+        sock = environ.get("werkzeug.socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        raise ConnectionResetError(f"s3server: connection closed by a {fault.kind} fault")
+    finally:
+        close = getattr(body, "close", None)
+        if close is not None:
+            close()
 
 
 class _Counted:
@@ -535,7 +843,10 @@ def _serve(log_path: Path, port_file: Path, parent: int | None) -> None:
     )
     from werkzeug.serving import make_server
 
-    app = _Recorder(DomainDispatcherApplication(create_backend_app), log_path)
+    faults = _Faults()
+    app = _Recorder(
+        _Faulty(DomainDispatcherApplication(create_backend_app), faults), log_path, faults
+    )
     server = make_server(HOST, 0, app, threaded=True, request_handler=MotoRequestHandler)
     if parent is not None:
         threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()

@@ -125,6 +125,10 @@ def test_the_draft_of_an_s3_target_transfers_only_its_tensors_and_headers(
         span = request.span
         if name not in own_shards:
             assert span is not None and span[1] < headers[name], request
+    # Each object the draft streams from is checked to be the version its plan read, before
+    # and after the stream: a HEAD each (no body).
+    heads = [r for r in s3.requests(since=between) if r.method == "HEAD"]
+    assert sorted(r.key.removeprefix(f"{prefix}/") for r in heads) == 2 * sorted(own_shards)
 
     (decision,) = events.decisions("draft")
     assert (decision["action"], decision["reason"], decision["chosen_format"]) == (
@@ -138,6 +142,7 @@ def test_the_draft_of_an_s3_target_transfers_only_its_tensors_and_headers(
     assert (target_load["shards"], target_load["tensors"]) == (len(shards), len(sizes))
     own_bytes = sum(sizes[n] for n in own)
     assert draft_load["network_bytes"] == own_bytes
+    assert (target_load["retried"], draft_load["retried"]) == (None, 0)
     assert draft_load["sources"]["storage"] == {"tensors": len(own), "bytes": own_bytes}
     assert draft_load["sources"]["replaced_by_target"]["tensors"] == len(REPLACED)
     assert (draft_load["shards"], draft_load["checkpoint_shards"]) == (1, len(shards))
@@ -172,7 +177,7 @@ def test_in_a_load_scope_the_draft_of_an_s3_target_transfers_nothing(
     with loadscope.scope():
         _target, draft, between = _load(config, s3)
 
-    assert s3.object_gets(since=between) == []  # the draft's load sent no request
+    assert s3.requests(since=between) == []  # the draft's load sent no request
     sizes = {t.name: t.nbytes for s in read_checkpoint(qwen35) for t in s.tensors}
     own = rule_keeps(qwen35, draft) - REPLACED
     (target_decision,) = events.decisions("target")
@@ -185,6 +190,8 @@ def test_in_a_load_scope_the_draft_of_an_s3_target_transfers_nothing(
     }
     assert draft_load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
     assert draft_load["network_bytes"] is None
+    # The target's load planned the draft and checked what it held once its stream ended.
+    assert (target_load["retried"], draft_load["retried"]) == (0, None)
     assert_qwen35_draft_is_the_checkpoints(qwen35, draft)
 
 

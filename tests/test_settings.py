@@ -73,6 +73,24 @@ def test_empty_environment_variable_counts_as_unset(tmp_path: Path) -> None:
     assert s.level.source == "default"
 
 
+def test_object_storage_bounds(tmp_path: Path) -> None:
+    s = load({}, "[object_storage]\ntimeout = 2.5\nretries = 3\n", tmp_path)
+    assert (s.object_timeout.value, s.object_timeout.source) == (2.5, "file")
+    assert (s.object_retries.value, s.object_retries.origin) == (
+        3,
+        f"{tmp_path / 'hybrid-draft.toml'}:3",
+    )
+    s = load(
+        {"HYBRID_DRAFT_OBJECT_TIMEOUT": " 30 ", "HYBRID_DRAFT_OBJECT_RETRIES": "1"}, "", tmp_path
+    )
+    assert (s.object_timeout.value, s.object_retries.value) == (30.0, 1)
+    assert s.object_timeout.source == s.object_retries.source == "env"
+    defaults = settings.load({"HYBRID_DRAFT_CONFIG": str(tmp_path / "none.toml")})
+    assert (defaults.object_timeout.value, defaults.object_retries.value) == (10.0, 5)
+    # Not among the settings that change what a load decides or reads.
+    assert s.fingerprint() == defaults.fingerprint() == "43ce3f8a6513"
+
+
 def test_dotted_keys_and_comments(tmp_path: Path) -> None:
     s = load({}, '# comment\ndraft.mode = "safetensors"  # trailing\n', tmp_path)
     assert s.mode.origin.endswith(":2")
@@ -86,6 +104,23 @@ def test_dotted_keys_and_comments(tmp_path: Path) -> None:
             {"HYBRID_DRAFT_LOG_LEVEL": "loud"},
             "HYBRID_DRAFT_LOG_LEVEL",
             "debug, info, warning, error",
+        ),
+        *(
+            (
+                {"HYBRID_DRAFT_OBJECT_TIMEOUT": bad},
+                "HYBRID_DRAFT_OBJECT_TIMEOUT",
+                "accepted: a number of seconds above 0 and at most 3600",
+            )
+            for bad in ("0", "-1", "nan", "inf", "3601", "10s", "")
+            if bad
+        ),
+        *(
+            (
+                {"HYBRID_DRAFT_OBJECT_RETRIES": bad},
+                "HYBRID_DRAFT_OBJECT_RETRIES",
+                "accepted: a whole number from 1 to 20",
+            )
+            for bad in ("0", "21", "2.0", "many")
         ),
     ],
 )
@@ -107,8 +142,11 @@ def test_bad_environment_values(
             '[draft]\nmode = "auto"\nloader = "x"\n',
             3,
             "unknown key 'draft.loader'; accepted keys: draft.mode, draft.hold_budget, "
-            "draft.skip_replaced, log.level, log.events_file",
+            "draft.skip_replaced, log.level, log.events_file, draft.keep_formats, "
+            "object_storage.timeout, object_storage.retries",
         ),
+        ("[object_storage]\ntimeout = true\n", 2, "accepted: a number of seconds above 0"),
+        ("[object_storage]\nretries = 2.5\n", 2, "accepted: a whole number from 1 to 20"),
         ('[draft]\nmode = "auto"\n\n[cache]\nsize = 1\n', 4, "unknown key 'cache'"),
         ('[log]\nevents_file = ""\n', 2, "non-empty path"),
         ('[log]\nlevel = ["info"]\n', 2, "must be a string naming one of debug"),
@@ -153,6 +191,7 @@ def test_shipped_config_documents_every_key_with_its_default() -> None:
     assert data == {
         "draft": {"mode": "auto", "hold_budget": "8GiB", "skip_replaced": True},
         "log": {"level": "info"},
+        "object_storage": {"timeout": 10, "retries": 5},
     }
     assert {name: v.value for name, v in s.values().items()} == {
         spec.name: spec.default for spec in settings.KEYS

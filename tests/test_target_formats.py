@@ -46,6 +46,40 @@ def test_a_format_not_handled_is_left_alone(fmt: str) -> None:
     assert (d.action, d.reason, d.chosen_format) == ("kept", "not_instanttensor", fmt)
 
 
+@pytest.mark.parametrize("fmt", ["fastsafetensors", "runai_streamer"])
+def test_a_library_that_cannot_filter_by_name_is_its_own_reason(fmt: str) -> None:
+    formats = tuple(f for f in policy.TARGET_FORMATS if f != fmt)
+    d = policy.decide(draft(fmt), "auto", formats, unfiltered=(fmt,))
+    assert (d.action, d.reason, d.chosen_format) == ("kept", "no_tensor_filter", fmt)
+    assert "no_tensor_filter" in policy.REASONS
+
+
+def test_an_older_runai_streamer_is_unfiltered_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Run:ai Model Streamer whose ``stream_files`` takes no ``tensor_names`` (before 0.17):
+    its targets' drafts are vLLM's, and say why; unless keep_formats already names it."""
+    from runai_model_streamer import SafetensorsStreamer
+
+    from hybrid_draft.adapter import loaders
+
+    def stream_files(self: object, paths: list[str], device: str = "cpu") -> None: ...
+
+    monkeypatch.setattr(SafetensorsStreamer, "stream_files", stream_files)
+    loaders.available_formats.cache_clear()
+    loaders.unfiltered_formats.cache_clear()
+    try:
+        assert "runai_streamer" not in loaders.available_formats()
+        assert "runai_streamer" in loaders.unfiltered_formats()
+        current = settings.load({"HYBRID_DRAFT_CONFIG": "/nonexistent"})
+        assert "runai_streamer" in loaders.unfiltered(current)
+        kept = settings.load(
+            {"HYBRID_DRAFT_CONFIG": "/nonexistent", "HYBRID_DRAFT_KEEP_FORMATS": "runai_streamer"}
+        )
+        assert "runai_streamer" not in loaders.unfiltered(kept)
+    finally:
+        loaders.available_formats.cache_clear()
+        loaders.unfiltered_formats.cache_clear()
+
+
 def test_handled_formats_are_the_available_ones_less_those_kept() -> None:
     available = ("instanttensor", "fastsafetensors")
     assert policy.handled_formats((), available) == available

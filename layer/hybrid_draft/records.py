@@ -161,6 +161,9 @@ class Cost:
     bytes_read: int | None
     #: Tensor bytes received from object storage (None: the load read local files).
     network_bytes: int | None
+    #: Requests of the layer's own to object storage that failed transiently and were
+    #: retried (None: the load made none).
+    retried: int | None
     tensors: int | None
     shards: int | None
     checkpoint_shards: int | None

@@ -48,6 +48,8 @@ ENV_HOLD_BUDGET = "HYBRID_DRAFT_HOLD_BUDGET"
 ENV_SKIP_REPLACED = "HYBRID_DRAFT_SKIP_REPLACED"
 ENV_DRIVER = "HYBRID_DRAFT_DRIVER_SETTINGS"
 ENV_KEEP_FORMATS = "HYBRID_DRAFT_KEEP_FORMATS"
+ENV_OBJECT_TIMEOUT = "HYBRID_DRAFT_OBJECT_TIMEOUT"
+ENV_OBJECT_RETRIES = "HYBRID_DRAFT_OBJECT_RETRIES"
 #: The target load formats whose drafts the layer can read filtered (``policy.TARGET_FORMATS``,
 #: repeated here: settings sits below the policy); ``keep_formats`` keeps any untouched.
 TARGET_FORMATS = ("instanttensor", "fastsafetensors", "runai_streamer")
@@ -61,6 +63,13 @@ DECISION_SETTINGS = ("mode", "hold_budget", "skip_replaced")
 
 #: What the target's InstantTensor pass may keep in memory for the draft (docs/design.md).
 DEFAULT_HOLD_BUDGET = 8 << 30
+#: Each request to object storage: seconds without a byte of its answer before it is cut
+#: (and retried), and how many times a failed one is retried (docs/contract.md).
+DEFAULT_OBJECT_TIMEOUT = 10.0
+DEFAULT_OBJECT_RETRIES = 5
+#: The accepted ranges of those two.
+OBJECT_TIMEOUT_RANGE = (0.0, 3600.0)
+OBJECT_RETRIES_RANGE = (1, 20)
 _UNITS = {
     "": 1,
     "b": 1,
@@ -112,6 +121,13 @@ class Settings:
     config_exists: bool
     #: Target formats whose drafts the layer leaves as vLLM loads them (``keep_formats``).
     keep_formats: Value = field(default_factory=lambda: Value((), "default", "default"))
+    #: Each request to object storage: its timeout (seconds) and how often it is retried.
+    object_timeout: Value = field(
+        default_factory=lambda: Value(DEFAULT_OBJECT_TIMEOUT, "default", "default")
+    )
+    object_retries: Value = field(
+        default_factory=lambda: Value(DEFAULT_OBJECT_RETRIES, "default", "default")
+    )
     #: The host whose settings were carried here (``HYBRID_DRAFT_DRIVER_SETTINGS``), if any.
     carried_from: str | None = None
 
@@ -171,7 +187,7 @@ class Key:
     key: str
     env: str
     default: Any
-    kind: Literal["choice", "path", "size", "bool", "formats"]
+    kind: Literal["choice", "path", "size", "bool", "formats", "seconds", "count"]
     choices: tuple[str, ...] = ()
 
     @property
@@ -187,6 +203,10 @@ class Key:
             "bool": f"accepted values: {', '.join(_TRUE + _FALSE)}",
             "formats": "accepted: a comma-separated list (a TOML array) of "
             f"{', '.join(self.choices)}; empty for none",
+            "seconds": "accepted: a number of seconds above "
+            f"{OBJECT_TIMEOUT_RANGE[0]:g} and at most {OBJECT_TIMEOUT_RANGE[1]:g}",
+            "count": "accepted: a whole number from "
+            f"{OBJECT_RETRIES_RANGE[0]} to {OBJECT_RETRIES_RANGE[1]}",
         }[self.kind]
 
     def parse(self, raw: Any, source: str) -> Any:
@@ -211,6 +231,8 @@ class Key:
             if any(n not in self.choices for n in names):
                 raise bad()
             return tuple(sorted(set(names)))
+        if self.kind in ("seconds", "count"):
+            return _number(raw, self.kind == "count", bad)
         if self.kind == "size":
             if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
                 return raw
@@ -243,9 +265,53 @@ KEYS = (
     Key("level", "log", "level", ENV_LEVEL, "info", "choice", LEVELS),
     Key("events_file", "log", "events_file", ENV_EVENTS_FILE, None, "path"),
     Key("keep_formats", "draft", "keep_formats", ENV_KEEP_FORMATS, (), "formats", TARGET_FORMATS),
+    Key(
+        "object_timeout",
+        "object_storage",
+        "timeout",
+        ENV_OBJECT_TIMEOUT,
+        DEFAULT_OBJECT_TIMEOUT,
+        "seconds",
+    ),
+    Key(
+        "object_retries",
+        "object_storage",
+        "retries",
+        ENV_OBJECT_RETRIES,
+        DEFAULT_OBJECT_RETRIES,
+        "count",
+    ),
 )
 _KEYS = {(k.table, k.key): k for k in KEYS}
 _ACCEPTED_KEYS = ", ".join(k.dotted for k in KEYS)
+
+
+def _number(raw: Any, whole: bool, bad: Any) -> float | int:
+    """A ``seconds`` value (a number in :data:`OBJECT_TIMEOUT_RANGE`, the lower end
+    excluded) or a ``count`` (a whole number in :data:`OBJECT_RETRIES_RANGE`), from a
+    variable's text or a TOML number; ``bad()`` (a ConfigError) for anything else."""
+    value: float | int
+    if isinstance(raw, bool):
+        raise bad()
+    if isinstance(raw, (int, float)):
+        value = raw
+    elif isinstance(raw, str) and len(raw) < 40:
+        text = raw.strip()
+        try:
+            value = int(text) if whole else float(text)
+        except ValueError:
+            raise bad() from None
+    else:
+        raise bad()
+    if whole:
+        low, high = OBJECT_RETRIES_RANGE
+        if not isinstance(value, int) or not low <= value <= high:
+            raise bad()
+        return value
+    low_s, high_s = OBJECT_TIMEOUT_RANGE
+    if not (low_s < float(value) <= high_s):  # NaN fails too
+        raise bad()
+    return float(value)
 
 
 def this_node() -> str:

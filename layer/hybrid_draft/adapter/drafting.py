@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from hybrid_draft import records, settings
 from hybrid_draft.adapter import calls, internals, loadscope, parts
-from hybrid_draft.core import draftread, hold, policy
+from hybrid_draft.core import draftread, hold, objectstore, policy
 from hybrid_draft.core.planning import DraftPlan
 from hybrid_draft.records import ABSENT, Opt
 
@@ -44,6 +44,9 @@ class Draft:
     sources: Opt[records.Sources] = ABSENT
     #: Why a source of ``sources`` is empty.
     sources_detail: Opt[Mapping[str, str]] = ABSENT
+    #: The object store's refusal of the plan's own reads: the load fails with it, once,
+    #: rather than asking the same store again by vLLM's own path.
+    failure: objectstore.ObjectStoreError | None = None
 
 
 @dataclass(frozen=True)
@@ -126,11 +129,16 @@ def draft(
     plan = found.plan if same or decision.switched else None
     plan_error: Opt[str] = ABSENT
     unsupported: str | None = None
+    failure: objectstore.ObjectStoreError | None = None
+    access = objectstore.Access.of(current)
     if plan is None and (same or decision.switched):
         try:
-            plan = draftplan.for_call(call, bool(current.skip_replaced.value))
+            plan = draftplan.for_call(call, bool(current.skip_replaced.value), access)
         except internals.Unsupported as exc:  # a part is off, said with part_skipped
             plan, unsupported = None, str(exc)
+        except objectstore.ObjectStoreError as exc:  # vLLM's path would ask the same store
+            plan_error = f"{type(exc).__name__}: {exc}"
+            failure = exc if decision.switched else None
         except Exception as exc:  # reported, and the draft loads on vLLM's own lazy path
             plan_error = f"{type(exc).__name__}: {exc}"
     warnings: Opt[list[dict[str, str]] | None] = ABSENT
@@ -155,7 +163,7 @@ def draft(
     ours = plan is not None and plan.is_unused is not None and loaders_off is None
     load_config: LoadConfig | None = None
     reads = False
-    if decision.switched:
+    if decision.switched and failure is None:
         family = decision.chosen_format not in (policy.SAFETENSORS, policy.SELECTIVE_FORMAT)
         if not ours and family:  # a fastsafetensors or Run:ai draft: its target's loader
             failed = plan_error if isinstance(plan_error, str) else None
@@ -187,6 +195,7 @@ def draft(
             sink=current.sink,
             pipeline_parallel_size=call.vllm_config.parallel_config.pipeline_parallel_size,
             method=request.method,
+            access=access,
         )
     sources: Opt[records.Sources] = ABSENT
     if read is not None:
@@ -210,6 +219,7 @@ def draft(
             if not isinstance(sources, records.Absent)
             else ABSENT
         ),
+        failure=failure,
     )
 
 
@@ -227,6 +237,8 @@ def empty_sources(
     if not sources.get("stream", {}).get("tensors"):
         if found.released:
             why = "released: the settings changed between the target's load and the draft's"
+        elif found.hold is not None and found.hold.changed:
+            why = "object_changed: " + next(iter(found.hold.changed.values()))
         elif found.hold is not None:
             why = "hold_empty: the target's stream kept none of this draft's tensors"
         elif scope is None:

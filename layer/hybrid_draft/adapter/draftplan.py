@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybrid_draft.adapter import calls, drafts, internals, parts, rules, selective, sharing
-from hybrid_draft.core import checkpoint, figures, policy
+from hybrid_draft.core import checkpoint, figures, objectstore, policy
 from hybrid_draft.core.planning import DraftPlan
 
 if TYPE_CHECKING:
@@ -39,8 +39,9 @@ def weight_files(call: calls.Call) -> list[str]:
     return sorted(files) if use_safetensors else []
 
 
-def shards(call: calls.Call) -> list[checkpoint.Shard]:
-    """The draft's shards as its loader resolves them, each header read once."""
+def shards(call: calls.Call, access: objectstore.Access | None = None) -> list[checkpoint.Shard]:
+    """The draft's shards as its loader resolves them, each header read once (an object's
+    within ``access``, keeping the version it was read from)."""
     if str(call.load_config.load_format).lower() != policy.RUNAI_STREAMER:
         return checkpoint.read_files(weight_files(call))
     off = parts.part_off("runai_stream")
@@ -50,9 +51,7 @@ def shards(call: calls.Call) -> list[checkpoint.Shard]:
     source = str(getattr(config, "model_weights", "") or config.model)
     files = sorted(internals.runai_weight_files(call.load_config, source, config.revision))
     if any(map(figures.is_object_uri, files)):
-        from hybrid_draft.core import objectstore
-
-        return objectstore.read_shards(files)
+        return objectstore.read_shards(files, access)
     return checkpoint.read_files(files)
 
 
@@ -60,10 +59,13 @@ def device_of(call: calls.Call) -> str | torch.device | None:
     return call.load_config.device or call.vllm_config.device_config.device
 
 
-def for_call(call: calls.Call, skip_replaced: bool = True) -> DraftPlan | None:
+def for_call(
+    call: calls.Call, skip_replaced: bool = True, access: objectstore.Access | None = None
+) -> DraftPlan | None:
     """The plan of the draft this call loads (None: it has no safetensors shards);
-    ``skip_replaced`` false plans the tensors vLLM replaces as read like the rest."""
-    found = tuple(shards(call))
+    ``skip_replaced`` false plans the tensors vLLM replaces as read like the rest; ``access``
+    bounds the requests of a plan from object storage."""
+    found = tuple(shards(call, access))
     if not found:
         return None
     cls = drafts.draft_class(call.model_config)

@@ -200,7 +200,12 @@ def read_settings() -> settings.Settings:
 
 def decide(call: calls.Call, request: policy.Request, current: settings.Settings) -> Load:
     """Decide one load with its settings snapshot."""
-    decision = policy.decide(request, str(current.mode.value), loaders.handled_formats(current))
+    decision = policy.decide(
+        request,
+        str(current.mode.value),
+        loaders.handled_formats(current),
+        loaders.unfiltered(current),
+    )
     scope = loadscope.current()
     target = draft = None
     if request.role == "target":
@@ -299,13 +304,28 @@ def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None]
         tap = load.tap
         cost.observe = tap.offer if tap is not None else None
         try:
+            if load.draft is not None and load.draft.failure is not None:
+                raise load.draft.failure  # its plan's reads were refused: failed once, here
             with draftread.reading(load.read):
                 model = proceed(load.load_config)
         except BaseException as exc:
             _finish(load, cost, exc)
             raise
+        _settle(load)
         _finish(load, cost, None)
     return model
+
+
+def _settle(load: Load) -> None:
+    """A target whose stream filled a hold: what it held is checked against the versions
+    the draft's plan read, now that the stream is done (``hold.Hold.settle``)."""
+    tap = load.tap
+    if tap is None:
+        return
+    try:
+        tap.settle()
+    except Exception as fault:  # the draft then checks again, before it takes anything
+        layer_error("the one-pass hold's version check", fault, load.sink)
 
 
 def _emit_decision(load: Load) -> None:

@@ -132,6 +132,25 @@ def available_formats() -> tuple[str, ...]:
     )
 
 
+@functools.cache
+def unfiltered_formats() -> tuple[str, ...]:
+    """The target formats whose library imports here but cannot filter by tensor name (an
+    older fastsafetensors or Run:ai Model Streamer): their drafts load as vLLM loads them,
+    and their decisions say why (``no_tensor_filter``)."""
+    return tuple(
+        fmt
+        for fmt, need in _LIBRARIES.items()
+        if importlib.util.find_spec(need[0]) is not None and not _reads_filtered(*need)
+    )
+
+
+def unfiltered(current: settings.Settings) -> tuple[str, ...]:
+    """:func:`unfiltered_formats` less those ``keep_formats`` leaves to vLLM anyway (the
+    setting is then the reason)."""
+    keep = tuple(current.keep_formats.value)
+    return tuple(f for f in unfiltered_formats() if f not in keep)
+
+
 def handled_formats(current: settings.Settings) -> tuple[str, ...]:
     """The target formats whose drafts the layer reads filtered under ``current``."""
     return policy.handled_formats(tuple(current.keep_formats.value), available_formats())

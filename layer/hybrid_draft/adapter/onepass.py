@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from hybrid_draft import records, settings
 from hybrid_draft.adapter import calls, draftplan, internals, loaders, loadscope, parts
-from hybrid_draft.core import hold, policy
+from hybrid_draft.core import checkpoint, hold, objectstore, policy
 from hybrid_draft.core.planning import DraftPlan
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
         return _off("hold_budget_zero")
     requested = call.request().requested_format
     if requested not in _STREAMED or requested not in loaders.handled_formats(current):
+        if requested in loaders.unfiltered(current):
+            return _off("no_tensor_filter", f"the installed {requested} cannot filter by name")
         return _off("not_instanttensor")
     for part in _STREAMED[requested]:
         why = parts.part_off(part)
@@ -75,7 +77,12 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
     )
     if not draft_decision.switched or not draft_request.reads_target_checkpoint:
         return _off("draft_not_switched", f"the draft's decision: {draft_decision.reason}")
-    plan = draftplan.for_call(draft_call, bool(current.skip_replaced.value))
+    try:
+        plan = draftplan.for_call(
+            draft_call, bool(current.skip_replaced.value), objectstore.Access.of(current)
+        )
+    except checkpoint.CheckpointError as exc:  # the draft's own decision plans again
+        return _off("planning_failed", f"{type(exc).__name__}: {exc}")
     if plan is None or plan.is_unused is None or not plan.kept:
         return _off("no_plan", "the draft has no checkpoint-weight rule or keeps nothing")
     tp = max(1, call.vllm_config.parallel_config.tensor_parallel_size)

@@ -96,6 +96,25 @@ def header_digest(data: bytes) -> str:
 
 
 @dataclass(frozen=True)
+class ObjectVersion:
+    """Which version of an object in object storage a header was read from: what a reader
+    pins its requests to, and compares before and after it reads."""
+
+    #: The object's ETag, as the store quotes it (None: the store gave none).
+    etag: str | None
+    #: The object's version id in a versioned bucket (None: not versioned).
+    version_id: str | None
+    #: The object's whole size in bytes.
+    size: int
+
+    def __str__(self) -> str:
+        parts = [f"ETag {self.etag}" if self.etag else "no ETag"]
+        if self.version_id:
+            parts.append(f"version {self.version_id}")
+        return f"{', '.join(parts)}, {self.size:,} bytes"
+
+
+@dataclass(frozen=True)
 class Shard:
     path: Path
     tensors: tuple[TensorInfo, ...]
@@ -104,6 +123,9 @@ class Shard:
     #: The object-storage address of a shard that is not a local file (``s3://...``): what
     #: its loader opens. ``path`` then holds the object's key, for its name.
     uri: str | None = None
+    #: The version of the object its header was read from (None: a local file, or a store
+    #: the layer reads no versions of).
+    version: ObjectVersion | None = dataclasses.field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -536,11 +558,11 @@ def read_shard(path: str | os.PathLike[str]) -> Shard:
     return Shard(Path(path), tuple(_validate(shown, header, size, os.stat(path).st_size)))
 
 
-def object_shard(uri: str, raw: bytes) -> Shard:
+def object_shard(uri: str, raw: bytes, version: ObjectVersion | None = None) -> Shard:
     """An object-storage shard from its header alone (``raw``: the 8-byte length and that
     many bytes of JSON, read by ranged requests), checked as :func:`read_shard` checks a
-    file but for the file's size, which a header read does not learn. :class:`CheckpointError`
-    names the address."""
+    file but for the file's size, which only the object's ``version`` (where it was read)
+    gives. :class:`CheckpointError` names the address."""
     shown = files.show_path(uri)
     size = header_length(shown, raw[:8])
     if len(raw) != 8 + size:
@@ -553,7 +575,7 @@ def object_shard(uri: str, raw: bytes) -> Shard:
         raise CheckpointError(f"{shown}: header is too large to parse in memory") from None
     tensors = _validate(shown, parsed, size, None)
     key = uri.partition("://")[2].partition("/")[2]
-    return Shard(Path(key or "?"), tuple(tensors), header_digest(raw), uri=uri)
+    return Shard(Path(key or "?"), tuple(tensors), header_digest(raw), uri=uri, version=version)
 
 
 # --- which files: as vLLM resolves them ------------------------------------------------------

@@ -37,6 +37,8 @@ def reads(read: DraftRead, skip: Callable[[str], bool] = lambda _name: False) ->
     """Split the draft's read between its hold and storage; ``skip`` says no to a tensor
     this rank never loads (another rank's experts, by vLLM's own filter)."""
     held = read.hold
+    if held is not None:
+        held.settle()  # only what the target read of the planned versions is taken
     taking = tuple(
         t.name
         for t in read.plan.kept

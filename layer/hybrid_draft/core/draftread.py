@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from hybrid_draft.core import hold, planning
+from hybrid_draft.core import hold, objectstore, planning
 from hybrid_draft.events import Sink
 
 
@@ -32,6 +32,8 @@ class DraftRead:
     #: replacement depends on), from the configs the load was decided with.
     pipeline_parallel_size: int = 1
     method: str | None = "mtp"
+    #: How its requests to object storage are bounded (the load's settings').
+    access: objectstore.Access = field(default_factory=objectstore.Access)
     #: Filled by the load: ``planning.DraftPlan.sources`` keys, as read.
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
     #: The replaced tensors skipped, by name -> kind (after the built model was checked).

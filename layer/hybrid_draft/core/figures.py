@@ -57,6 +57,8 @@ class LoadStats:
     tensors: int | None = None
     #: Tensor bytes received from object storage (None: the load read none from there).
     network: int | None = None
+    #: Retries of the layer's own requests to object storage (None: it made none).
+    retried: int | None = None
     #: Sees every tensor a loader yields to the model during the load (the target's
     #: one-pass tap), or None.
     observe: Observer | None = None
@@ -88,6 +90,7 @@ class LoadStats:
                 else None
             ),
             network_bytes=self.network,
+            retried=self.retried,
             tensors=self.tensors,
             shards=len(opened) if observed else None,
             checkpoint_shards=len(self.resolved) if observed else None,
@@ -135,6 +138,14 @@ def fetched(nbytes: int) -> None:
     stats = _CURRENT.get()
     if stats is not None:
         stats.network = (stats.network or 0) + nbytes
+
+
+def retried(count: int) -> None:
+    """Record that the current call made requests of its own to object storage, ``count``
+    of them retried (0: none was)."""
+    stats = _CURRENT.get()
+    if stats is not None:
+        stats.retried = (stats.retried or 0) + count
 
 
 Observer = Callable[[str, Any], None]

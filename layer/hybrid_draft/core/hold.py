@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_draft import records
+from hybrid_draft.core import objectstore
 from hybrid_draft.core.planning import DraftPlan
 from hybrid_draft.events import Sink, emit
 from hybrid_draft.settings import Settings
@@ -72,6 +73,10 @@ class Hold:
     taken_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
     released: bool = False
+    #: Whether the held tensors were checked against the versions the plan read.
+    settled: bool = False
+    #: The objects whose held tensors that check dropped, each with why.
+    changed: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -128,6 +133,21 @@ class Hold:
             self.taken += 1
             self.taken_bytes += size
         return tensor
+
+    def settle(self) -> None:
+        """Once the target's stream is done: keep only the tensors it read from objects
+        that are still the version the plan read (``objectstore.changed``); those of an
+        object replaced, rewritten or truncated meanwhile (the stream may have read
+        another version, or a mix) are dropped, and the draft reads them by its plan, which
+        refuses a changed object. Once; local files are not checked here."""
+        if self.settled:
+            return
+        self.settled = True
+        where = {t.name: s for s in self.plan.shards for t in s.tensors}
+        shards = {where[n].location: where[n] for n in self.tensors if n in where}
+        self.changed = objectstore.changed(shards.values(), objectstore.Access.of(self.settings))
+        for name in [n for n in self.tensors if n in where and where[n].location in self.changed]:
+            self.held_bytes -= nbytes(self.tensors.pop(name))
 
     def summary(self) -> records.HoldFigures:
         """The ``one_pass`` figures of the events."""

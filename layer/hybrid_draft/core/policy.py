@@ -8,6 +8,7 @@ the order they apply:
 2. a load whose format is not one the layer handles (:data:`TARGET_FORMATS`: InstantTensor,
    fastsafetensors, Run:ai Model Streamer, less those the ``formats`` setting keeps untouched)
    is left alone: ``explicit_draft_loader`` when it is the user's own ``draft_load_config``,
+   ``no_tensor_filter`` when the format's installed library cannot filter by tensor name,
    ``not_instanttensor`` otherwise;
 3. mode ``instanttensor`` keeps InstantTensor (``mode_instanttensor``);
 4. mode ``safetensors`` switches every such draft, standalone ones too (``forced_safetensors``);
@@ -79,6 +80,7 @@ REASONS = (
     "selective_fallback",
     "layer_error",
     "no_plan",
+    "no_tensor_filter",
 )
 
 
@@ -160,9 +162,16 @@ def same_checkpoint(draft: Checkpoint, target: Checkpoint) -> bool:
     return any(mine == _identity(name, target.revision) for name in (target.model, *target.aliases))
 
 
-def decide(request: Request, mode: str, formats: tuple[str, ...] = TARGET_FORMATS) -> Decision:
+def decide(
+    request: Request,
+    mode: str,
+    formats: tuple[str, ...] = TARGET_FORMATS,
+    unfiltered: tuple[str, ...] = (),
+) -> Decision:
     """The decision for one call under ``mode`` (one of settings.MODES), for a layer that
-    handles the target formats ``formats``."""
+    handles the target formats ``formats``; ``unfiltered``: target formats whose installed
+    library cannot filter by tensor name (a fastsafetensors before 0.5, a Run:ai Model
+    Streamer before 0.17)."""
     requested = request.requested_format
 
     def kept(reason: str) -> Decision:
@@ -175,7 +184,9 @@ def decide(request: Request, mode: str, formats: tuple[str, ...] = TARGET_FORMAT
         return kept("target_model")
     if requested not in formats or requested not in TARGET_FORMATS:
         explicit = request.explicit_draft_format
-        return kept("explicit_draft_loader" if explicit == requested else "not_instanttensor")
+        if explicit == requested:
+            return kept("explicit_draft_loader")
+        return kept("no_tensor_filter" if requested in unfiltered else "not_instanttensor")
     if mode == "instanttensor":
         return kept("mode_instanttensor")
     family = SAFETENSORS if requested == INSTANTTENSOR else requested

@@ -10,6 +10,7 @@ vLLM's own list of files.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 from collections.abc import Callable, Generator, Sequence
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hybrid_draft.core import checkpoint, figures, shardread
+from hybrid_draft.core import checkpoint, figures, objectstore, shardread
 
 Weights = Generator[tuple[str, torch.Tensor], None, None]
 
@@ -243,7 +244,11 @@ def fastsafetensors_filtered_iterator(
             bar.update(1)
 
 
-def runai_filtered_iterator(selection: checkpoint.Selection, progress: bool = False) -> Weights:
+def runai_filtered_iterator(
+    selection: checkpoint.Selection,
+    progress: bool = False,
+    access: objectstore.Access | None = None,
+) -> Weights:
     """Stream exactly the selected tensors with Run:ai's Model Streamer (0.17's
     ``tensor_names``): it reads each shard's header, then only the kept tensors' byte ranges,
     from local files or object storage (the selection's shards are addressed as the
@@ -251,20 +256,37 @@ def runai_filtered_iterator(selection: checkpoint.Selection, progress: bool = Fa
 
     Onto the CPU, as vLLM's own Run:ai iterator does outside distributed streaming; the
     tensors are the caller's (``owned=True``), so none is copied again.
+
+    An object is read only as the version its plan read (``objectstore.verify``, before and
+    after: Run:ai reads the header again and takes no version), Run:ai's client bounded by
+    ``access`` (``objectstore.runai_limits``); a read that fails is explained by the layer's
+    own question to the object store (``objectstore.explain``): the object and the answer.
     """
     from runai_model_streamer import SafetensorsStreamer
 
     paths = list(selection.tensors)
-    with (
-        SafetensorsStreamer() as streamer,
-        _tqdm(
-            len(selection.names),
-            "Loading the draft's tensors (Run:ai Model Streamer, filtered)",
-            progress,
-            unit="tensor",
-        ) as bar,
-    ):
-        streamer.stream_files(paths, device="cpu", tensor_names=selection.names)
-        for name, tensor in figures.received(paths, streamer.get_tensors()):
-            bar.update(1)
-            yield name, tensor
+    shards = [selection.shards[p] for p in paths]
+    access = access or objectstore.Access()
+    objectstore.verify(shards, access, "before the draft's tensors were read")
+    remote = any(map(figures.is_object_uri, paths))
+    with objectstore.runai_limits(access) if remote else contextlib.nullcontext():
+        try:
+            with (
+                SafetensorsStreamer() as streamer,
+                _tqdm(
+                    len(selection.names),
+                    "Loading the draft's tensors (Run:ai Model Streamer, filtered)",
+                    progress,
+                    unit="tensor",
+                ) as bar,
+            ):
+                streamer.stream_files(paths, device="cpu", tensor_names=selection.names)
+                for name, tensor in figures.received(paths, streamer.get_tensors()):
+                    bar.update(1)
+                    yield name, tensor
+        except Exception as exc:
+            why = objectstore.explain(shards, access, exc)
+            if why is None:
+                raise
+            raise why from None
+    objectstore.verify(shards, access, "while the draft's tensors were read")

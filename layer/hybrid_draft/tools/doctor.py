@@ -162,11 +162,16 @@ def check_formats() -> Check:
     except settings.ConfigError:
         keep = ()  # the config check reports it
     handled = policy.handled_formats(keep, loaders.available_formats())
-    left = [
-        f"{fmt} ({'keep_formats' if fmt in keep else 'not handled here'})"
-        for fmt in policy.TARGET_FORMATS
-        if fmt not in handled
-    ]
+    unfiltered = loaders.unfiltered_formats()
+
+    def why(fmt: str) -> str:
+        if fmt in keep:
+            return "keep_formats"
+        if fmt in unfiltered:
+            return "no_tensor_filter: its library cannot filter by tensor name"
+        return "not handled here"
+
+    left = [f"{fmt} ({why(fmt)})" for fmt in policy.TARGET_FORMATS if fmt not in handled]
     line = f"formats: drafts read filtered for {', '.join(handled) or 'no target format'}"
     return True, line + (f"; left to vLLM: {', '.join(left)}" if left else "")
 

@@ -27,7 +27,7 @@ from typing import Any
 from hybrid_draft import files
 from hybrid_draft.adapter import internals, rules, selective, sharing
 from hybrid_draft.adapter.drafts import OWN_CHECKPOINT, is_mtp, mtp_layers
-from hybrid_draft.core import checkpoint
+from hybrid_draft.core import checkpoint, objectstore
 from hybrid_draft.core.planning import DraftPlan
 
 CONFIG_NAME = "config.json"
@@ -288,16 +288,18 @@ def for_model_dir(
 
 
 def for_object_store(
-    uri: str, config_dir: str, trust_remote_code: bool = False, skip_replaced: bool = True
+    uri: str,
+    config_dir: str,
+    trust_remote_code: bool = False,
+    skip_replaced: bool = True,
+    access: objectstore.Access | None = None,
 ) -> DraftPlan:
     """The plan of a same-checkpoint MTP draft of a checkpoint in object storage, as a Run:ai
     target's draft is planned: its JSON files copied into ``config_dir`` (the caller's
-    temporary directory), each shard's header read by ranged requests
-    (``adapter.objectstore``), no tensor.
+    temporary directory), each shard's header read by ranged requests, each bounded by
+    ``access`` (``core.objectstore``), no tensor.
 
     Raises ``checkpoint.CheckpointError`` or :class:`PlanError` naming ``uri``."""
-    from hybrid_draft.core import objectstore
-
     try:
         objectstore.pull_configs(uri, config_dir)
         found = objectstore.list_shards(uri)
@@ -306,7 +308,7 @@ def for_object_store(
     if not found:
         raise PlanError(f"{uri}: holds no *.safetensors objects")
     try:
-        shards = tuple(objectstore.read_shards(found))
+        shards = tuple(objectstore.read_shards(found, access))
     except checkpoint.CheckpointError:
         raise
     except Exception as exc:

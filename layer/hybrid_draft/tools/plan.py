@@ -62,7 +62,7 @@ def _plan_checkpoint(args: argparse.Namespace) -> int:
     budget = int(current.hold_budget.value) if current else settings.DEFAULT_HOLD_BUDGET
     try:  # every shard checked as safetensors checks it, inside the model directory
         if remote:
-            plan = _remote(args, skip)
+            plan = _remote(args, skip, current)
         else:
             plan = draftinfo.for_model_dir(
                 args.model_dir, trust_remote_code=args.trust_remote_code, skip_replaced=skip
@@ -74,14 +74,16 @@ def _plan_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _remote(args: argparse.Namespace, skip_replaced: bool) -> Any:
+def _remote(args: argparse.Namespace, skip_replaced: bool, current: Any) -> Any:
     """The plan of an object-storage checkpoint, or exit status 2 once ``--timeout`` passes
-    without an answer (the storage client's own retries may take minutes)."""
+    without an answer (the storage client's own retries may take minutes). Each header
+    request is bounded as a load's are (the ``object_storage`` settings)."""
     import os
     import shutil
     import tempfile
     import threading
 
+    from hybrid_draft.core import objectstore
     from hybrid_draft.tools import draftinfo
 
     config_dir = tempfile.mkdtemp(prefix="hybrid-draft-plan-")
@@ -90,7 +92,11 @@ def _remote(args: argparse.Namespace, skip_replaced: bool) -> Any:
     def work() -> None:
         try:
             out["plan"] = draftinfo.for_object_store(
-                args.model_dir, config_dir, args.trust_remote_code, skip_replaced
+                args.model_dir,
+                config_dir,
+                args.trust_remote_code,
+                skip_replaced,
+                objectstore.Access.of(current),
             )
         except BaseException as exc:  # raised again in the caller's thread
             out["error"] = exc

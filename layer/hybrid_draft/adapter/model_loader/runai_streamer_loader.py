@@ -19,4 +19,5 @@ class FilteredRunaiStreamerLoader(PlannedDraftLoader):
     def read(self, selection: checkpoint.Selection) -> Weights:
         if not selection.files:
             return iter(())  # type: ignore[return-value]
-        return readers.runai_filtered_iterator(selection, self.progress)
+        access = self.draft.access if self.draft is not None else None
+        return readers.runai_filtered_iterator(selection, self.progress, access)
