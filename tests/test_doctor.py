@@ -72,10 +72,10 @@ def test_selective_is_available_only_with_cuda_and_a_tensor_filter(
 ) -> None:
     import instanttensor
 
-    from hybrid_draft.adapter import selective
+    from hybrid_draft.adapter import draftplan
 
     # As on a CUDA host (this one has none): vLLM on CUDA, the draft's device a CUDA one.
-    monkeypatch.setattr(selective, "cuda_unavailable", lambda device=None: None)
+    monkeypatch.setattr(draftplan, "cuda_unavailable", lambda device=None: None)
     assert doctor.check_selective() == (
         True,
         "selective: available (CUDA and InstantTensor's tensor_filter)",

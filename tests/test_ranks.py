@@ -249,8 +249,8 @@ def test_where_says_no_rank_outside_a_distributed_group() -> None:
     code = (
         "import json\n"
         "from hybrid_draft import records, settings\n"
-        "from hybrid_draft.adapter import where\n"
-        "print(json.dumps(records.render(where.of(settings.load()))))"
+        "from hybrid_draft.adapter import load\n"
+        "print(json.dumps(records.render(load.where_of(settings.load()))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -77,9 +77,9 @@ def test_tensor_filter_support_is_detected(
 ) -> None:
     import instanttensor
 
-    from hybrid_draft.adapter import selective
+    from hybrid_draft.adapter import draftplan
 
-    assert selective.tensor_filter_supported() is None  # the pinned 0.2.2
+    assert draftplan.tensor_filter_supported() is None  # the pinned 0.2.2
 
     def older_safe_open(
         filename: Any, framework: str, device: Any, process_group: Any = None, *, copy: bool = True
@@ -87,7 +87,7 @@ def test_tensor_filter_support_is_detected(
         raise AssertionError("never called")
 
     monkeypatch.setattr(instanttensor, "safe_open", older_safe_open)
-    assert "has no tensor_filter (0.2.2 or later has)" in selective.tensor_filter_supported()
+    assert "has no tensor_filter (0.2.2 or later has)" in draftplan.tensor_filter_supported()
 
 
 def test_an_empty_plan_is_a_fallback_reason(deepseek: Path, ckpt_root: Path) -> None:
@@ -343,7 +343,7 @@ def test_the_fallback_names_no_platform_when_vllm_detects_none(tmp_path: Path) -
         [
             sys.executable,
             "-c",
-            "from hybrid_draft.adapter.selective import cuda_unavailable;print(cuda_unavailable())",
+            "from hybrid_draft.adapter.draftplan import cuda_unavailable;print(cuda_unavailable())",
         ],
         env=env,
         capture_output=True,

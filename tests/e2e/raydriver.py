@@ -91,7 +91,7 @@ class Rank:
         from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
         from hybrid_draft import settings
-        from hybrid_draft.adapter import where
+        from hybrid_draft.adapter import load
 
         # A second load in this process joins the world it is already in.
         config = EngineArgs(
@@ -114,7 +114,7 @@ class Rank:
         return {
             "node": socket.gethostname(),
             "pid": os.getpid(),
-            "rank": where.rank(),
+            "rank": load.rank(),
             "settings": settings.load().as_dict(),
         }
 

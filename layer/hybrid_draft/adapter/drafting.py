@@ -6,10 +6,34 @@ checked against what can really be done for this draft on this vLLM (its checkpo
 rule, its plan, the parts switched off), and the outcome is one frozen :class:`Draft`:
 the decision as it stands, the load config the draft loads with, the read the layer's
 loaders follow, and the draft's keys of the decision event. Nothing here emits an event.
+
+Under pipeline parallelism a draft's load also gets its route (:func:`route`): only the last
+stage loads the draft, so its load must never wait on a collective that the other stages do
+not join.
+
+vLLM builds the drafter only where ``get_pp_group().is_last_rank`` (both model runners),
+so with a pipeline-parallel size above 1 the draft's ``get_model`` runs on part of the
+world. vLLM 0.33's ``instanttensor_weights_iterator`` reads with ``process_group=`` the
+world group's device group whenever the world has more than one rank, and InstantTensor
+then all-reduces and all-gathers over that group: the draft's load would wait for ranks
+that never call it. vLLM guards ``fastsafetensors`` that way
+(``get_pp_safe_draft_load_config``, model runner v2 only), not InstantTensor.
+
+What each mode's draft does with PP > 1:
+
+- lazy safetensors (``auto`` and ``selective`` on the target's checkpoint, ``safetensors``,
+  every selective fallback) and the filtered loader: no collective at all;
+- ``instanttensor_selective`` (``selective``): InstantTensor with ``process_group=None``;
+- InstantTensor kept (``instanttensor``; ``auto``/``selective`` for a draft with a checkpoint
+  of its own): :func:`route` sends it to the ``instanttensor_ungrouped`` loader, vLLM's
+  InstantTensor read with ``process_group=None``; each rank of the last stage reads it.
+
+The target is loaded by every rank, so its grouped read is left as vLLM makes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,7 +45,7 @@ from hybrid_draft.core.planning import DraftPlan
 from hybrid_draft.records import ABSENT, Opt
 
 if TYPE_CHECKING:
-    from vllm.config import LoadConfig
+    from vllm.config import LoadConfig, VllmConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,11 +141,11 @@ def draft(
 ) -> Draft:
     """Decide a draft's load: its plan, whether the layer's loaders read it, its config.
     ``loaders_off`` says why the ``draft_loaders`` part is off (None: it is on)."""
-    from hybrid_draft.adapter import draftplan, drafts, rules
+    from hybrid_draft.adapter import draftplan, rules
 
     rule_error: Opt[str] = ABSENT
     try:
-        pruning_rule: str | None = rules.install(drafts.draft_class(call.model_config))
+        pruning_rule: str | None = rules.install(draftplan.draft_class(call.model_config))
     except Exception as exc:  # vLLM's own load will report a class it cannot resolve
         pruning_rule, rule_error = None, f"{type(exc).__name__}: {exc}"
     same = request.reads_target_checkpoint
@@ -133,7 +157,12 @@ def draft(
     access = objectstore.Access.of(current)
     if plan is None and (same or decision.switched):
         try:
-            plan = draftplan.for_call(call, bool(current.skip_replaced.value), access)
+            plan = draftplan.for_call(
+                call,
+                bool(current.skip_replaced.value),
+                access,
+                parts.part_off("runai_stream"),
+            )
         except internals.Unsupported as exc:  # a part is off, said with part_skipped
             plan, unsupported = None, str(exc)
         except objectstore.ObjectStoreError as exc:  # vLLM's path would ask the same store
@@ -262,3 +291,50 @@ def empty_sources(
             )
         out["replaced_by_target"] = why
     return out or ABSENT
+
+
+# --- under pipeline parallelism ----------------------------------------------------------
+
+
+def pipeline_size(vllm_config: VllmConfig) -> int:
+    """The server's pipeline-parallel size: the largest of the call's parallel config, the
+    target's (a standalone draft's config says 1) and vLLM's PP group, when initialised."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    sizes = (
+        getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", None),
+        getattr(getattr(spec, "target_parallel_config", None), "pipeline_parallel_size", None),
+        internals.pp_world_size(),
+    )
+    return max((s for s in sizes if isinstance(s, int) and not isinstance(s, bool)), default=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A draft that keeps InstantTensor under PP > 1: how it is read (the decision's
+    ``pipeline_parallel_size`` and ``process_group``)."""
+
+    pipeline_parallel_size: int
+    process_group: str
+    #: The draft's load config from here (None: the call's own, vLLM's grouped read).
+    load_config: LoadConfig | None
+
+
+def route(
+    call: calls.Call,
+    role: str,
+    load_format: str | None,
+    load_config: LoadConfig | None,
+    ungrouped_off: str | None,
+) -> Route | None:
+    """With PP > 1, a draft that keeps InstantTensor loads without vLLM's world group
+    (None: nothing to route). ``ungrouped_off`` says why the ``ungrouped_draft`` part is
+    off (None: it is on), in which case vLLM's grouped read is kept."""
+    if role != "draft" or load_format != policy.INSTANTTENSOR:
+        return None
+    size = pipeline_size(call.vllm_config)
+    if size <= 1:
+        return None
+    if ungrouped_off is not None:  # this vLLM's loader is not one the read knows
+        return Route(size, f"vLLM's own (part_skipped: {ungrouped_off})", load_config)
+    base = load_config if load_config is not None else call.load_config
+    return Route(size, "none", dataclasses.replace(base, load_format=policy.UNGROUPED))

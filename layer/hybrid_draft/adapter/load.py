@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,9 +26,7 @@ from hybrid_draft.adapter import (
     loadscope,
     onepass,
     parts,
-    pipeline,
 )
-from hybrid_draft.adapter import where as places
 from hybrid_draft.core import draftread, figures, hold, policy
 from hybrid_draft.events import Sink, emit
 from hybrid_draft.records import ABSENT
@@ -66,7 +65,7 @@ class Load:
     #: A draft's plan, read and hold.
     draft: drafting.Draft | None = None
     #: A draft that keeps InstantTensor under pipeline parallelism.
-    route: pipeline.Route | None = None
+    route: drafting.Route | None = None
     #: Why the layer could not decide (``reason: layer_error``), letting vLLM load as asked.
     fault: str | None = None
 
@@ -228,12 +227,53 @@ def decide(call: calls.Call, request: policy.Request, current: settings.Settings
     return Load(
         request=request,
         snapshot=current,
-        where=places.of(current),
+        where=where_of(current),
         decision=decision,
         target=target,
         draft=draft,
-        route=pipeline.route(
+        route=drafting.route(
             call, request.role, fmt, load_config, parts.part_off("ungrouped_draft")
+        ),
+    )
+
+
+# --- where a load happens ---------------------------------------------------------------
+# Every decision and loaded/load_failed event carries one records.Where, made once per load,
+# so that ``hybrid-draft report`` can tell the ranks of one server apart and say which
+# decided differently. The rank is read from what is already initialised (vLLM's world
+# group, else torch.distributed); nothing is initialised or imported for it: a process
+# outside a distributed group has rank null. The load's settings are passed in.
+
+
+def node() -> str:
+    """This host's name."""
+    return settings.this_node()
+
+
+def rank() -> int | None:
+    """This process's global rank, or None outside an initialised distributed group."""
+    value = internals.world_rank()
+    if value is not None:
+        return value
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # a half-torn-down group: no rank rather than no event
+        pass
+    return None
+
+
+def where_of(current: settings.Settings | None) -> records.Where:
+    """This process's place, with the load's settings (None: they are invalid)."""
+    return records.Where(
+        node=node(),
+        rank=rank(),
+        settings_fingerprint=current.fingerprint() if current is not None else None,
+        settings_from=(
+            current.carried_from
+            if current is not None and current.carried_from is not None
+            else records.ABSENT
         ),
     )
 
@@ -277,7 +317,7 @@ def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None]
         try:
             current = read_settings()
         except settings.ConfigError as exc:
-            _finish(Load(request=request, snapshot=None, where=places.of(None)), cost, exc)
+            _finish(Load(request=request, snapshot=None, where=where_of(None)), cost, exc)
             raise  # an invalid setting stops the load
         try:
             if fault is not None:
@@ -290,7 +330,7 @@ def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None]
             load = Load(
                 request=request,
                 snapshot=current,
-                where=places.of(current),
+                where=where_of(current),
                 fault=f"{type(exc).__name__}: {exc}",
             )
             emit(

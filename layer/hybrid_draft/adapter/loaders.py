@@ -18,7 +18,7 @@ format behind a registry (``model_loader/``); they read through the core
 ``safetensors``): the kept tensors by explicit reads of their planned byte ranges;
 ``instanttensor_selective`` (mode ``selective``): InstantTensor's ``tensor_filter``;
 ``instanttensor_ungrouped``: vLLM's InstantTensor load with ``process_group=None``, for a
-draft only the last pipeline stage loads (``pipeline.py``); ``fastsafetensors_filtered`` and
+draft only the last pipeline stage loads (``drafting.route``); ``fastsafetensors_filtered`` and
 ``runai_streamer_filtered``: the target's own library, filtered by name.
 
 This module is their one entry, and cheap to import: the hook registers every format with

@@ -79,7 +79,10 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
         return _off("draft_not_switched", f"the draft's decision: {draft_decision.reason}")
     try:
         plan = draftplan.for_call(
-            draft_call, bool(current.skip_replaced.value), objectstore.Access.of(current)
+            draft_call,
+            bool(current.skip_replaced.value),
+            objectstore.Access.of(current),
+            parts.part_off("runai_stream"),
         )
     except checkpoint.CheckpointError as exc:  # the draft's own decision plans again
         return _off("planning_failed", f"{type(exc).__name__}: {exc}")

@@ -125,7 +125,7 @@ class Decision:
     requested_format: str
     chosen_format: str
     detail: str | None = None
-    #: Why a selective decision fell back (a stable code, ``adapter.selective.FALLBACKS``).
+    #: Why a selective decision fell back (a stable code, ``adapter.draftplan.FALLBACKS``).
     fallback: str | None = None
 
     @property

@@ -115,6 +115,31 @@ def instanttensor_selective_iterator(
 
     files = sorted(selection.tensors)  # the order safe_open reads them in
     sizes = [t.nbytes for path in files for t in selection.tensors[path]]
+    yield from _instanttensor_stream(
+        files,
+        device,
+        selection.names,
+        selection.nbytes,
+        "Loading the draft's tensors using InstantTensor (selective)",
+        progress,
+        **selective_sizing(sizes, instanttensor.safe_open),
+    )
+
+
+def _instanttensor_stream(
+    files: list[str],
+    device: torch.device,
+    tensor_filter: list[str] | None,
+    nbytes: int,
+    desc: str,
+    progress: bool,
+    **sizing: int,
+) -> Weights:
+    """InstantTensor's read of ``files`` onto ``device``, as the draft's readers make it:
+    ``process_group=None`` (every rank reads its own copy), ``copy=True`` (tensors stay
+    valid after the buffer is reused), exact names."""
+    import instanttensor
+
     with (
         instanttensor.safe_open(
             files,
@@ -122,13 +147,13 @@ def instanttensor_selective_iterator(
             device=device,
             process_group=None,
             copy=True,
-            tensor_filter=selection.names,
+            tensor_filter=tensor_filter,
             tensor_name_match_mode="exact",
-            **selective_sizing(sizes, instanttensor.safe_open),
+            **sizing,
         ) as f,
         _tqdm(
-            getattr(f, "total_tensor_size", None) or selection.nbytes,
-            "Loading the draft's tensors using InstantTensor (selective)",
+            getattr(f, "total_tensor_size", None) or nbytes,
+            desc,
             progress,
             unit="B",
             unit_scale=True,
@@ -157,7 +182,6 @@ def instanttensor_ungrouped_iterator(
     the files itself. The rest is vLLM's: other ranks' experts filtered out before reading
     (``should_skip_weight``), Engram tables mapped on the CPU, ``copy=True``.
     """
-    import instanttensor
     from safetensors import safe_open
 
     gpu_names: list[str] = []
@@ -178,28 +202,14 @@ def instanttensor_ungrouped_iterator(
         else None
     )
     if gpu_names:
-        with (
-            instanttensor.safe_open(
-                files,
-                framework="pt",
-                device=device,
-                process_group=None,
-                copy=True,
-                tensor_filter=tensor_filter,
-                tensor_name_match_mode="exact",
-            ) as f,
-            _tqdm(
-                getattr(f, "total_tensor_size", None) or 0,
-                "Loading the draft using InstantTensor (this pipeline stage only)",
-                progress,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-            ) as bar,
-        ):
-            for name, tensor in f.tensors():
-                bar.update(tensor.numel() * tensor.element_size())
-                yield name, tensor
+        yield from _instanttensor_stream(
+            files,
+            device,
+            tensor_filter,
+            0,
+            "Loading the draft using InstantTensor (this pipeline stage only)",
+            progress,
+        )
     for path, names in cpu_weights.items():
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in names:

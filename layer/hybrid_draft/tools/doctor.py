@@ -140,10 +140,10 @@ def check_selective() -> Check:
     Without CUDA it falls back to lazy safetensors by design (any CPU host, an image build):
     that passes. An InstantTensor without ``tensor_filter`` is a broken install: that fails.
     """
-    from hybrid_draft.adapter import selective
+    from hybrid_draft.adapter import draftplan
 
-    no_cuda = selective.cuda_unavailable()
-    no_filter = selective.tensor_filter_supported()
+    no_cuda = draftplan.cuda_unavailable()
+    no_filter = draftplan.tensor_filter_supported()
     if no_cuda is None and no_filter is None:
         return True, "selective: available (CUDA and InstantTensor's tensor_filter)"
     why = "; ".join(p for p in (no_cuda, no_filter) if p)

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_draft import files
-from hybrid_draft.adapter import internals, rules, selective, sharing
-from hybrid_draft.adapter.drafts import OWN_CHECKPOINT, is_mtp, mtp_layers
+from hybrid_draft.adapter import draftplan, internals, rules, sharing
+from hybrid_draft.adapter.draftplan import OWN_CHECKPOINT, is_mtp, mtp_layers
 from hybrid_draft.core import checkpoint, objectstore
 from hybrid_draft.core.planning import DraftPlan
 
@@ -336,7 +336,7 @@ def _plan(
             shared=draft.shared if skip_replaced else frozenset(),
             mtp_layers=draft.mtp_layers,
             notes=draft.notes,
-            host_blocker=selective.host_blocker(),
+            host_blocker=draftplan.host_blocker(),
         )
         plan.is_unused  # noqa: B018 - evaluate the rule here, once
         plan.vllm_unused  # noqa: B018

@@ -231,14 +231,14 @@ def draft_weights(plan: DraftPlan, read_storage: Callable[[Any], Any], held: Any
 def selective_blocker(device: str) -> str | None:
     """Why mode ``selective`` reads ``auto``'s way here (None: it streams with InstantTensor):
     the layer's own host check where vLLM can be imported, else torch's and InstantTensor's."""
-    from hybrid_draft.adapter import selective
+    from hybrid_draft.adapter import draftplan
 
     if vllm_available():
-        found = selective.host_blocker(device)
+        found = draftplan.host_blocker(device)
         return None if found is None else found[1]
     if not device.startswith("cuda"):
         return "CUDA is not available (torch)"
-    return selective.tensor_filter_supported()
+    return draftplan.tensor_filter_supported()
 
 
 #: The product's filtered strategies: the load format of the layer's loader each runs the
