@@ -150,6 +150,9 @@ class HostState:
     pythons: dict[str, str] = field(default_factory=dict)
     etc_apt: dict[str, str] = field(default_factory=dict)
     packages: dict[str, Package] = field(default_factory=dict)
+    #: What ``apt list --upgradable`` lists: each package whose candidate in apt's lists
+    #: is another version than the installed one, with that candidate.
+    upgradable: dict[str, str] = field(default_factory=dict)
 
 
 def release_of(suite: str) -> str:
@@ -198,11 +201,30 @@ def installed_packages() -> dict[str, str]:
     return found
 
 
-def package_origins(names: list[str]) -> dict[str, str]:
-    """:func:`installed_origins` for these packages, as apt's lists stand now."""
+def upgradable_in(policy: str) -> dict[str, str]:
+    """Each package ``apt-cache policy NAME...``'s output shows with a candidate other than
+    its installed version (what ``apt list --upgradable`` lists), and that candidate."""
+    found: dict[str, str] = {}
+    name, installed = "", ""
+    for line in policy.splitlines():
+        if line and not line[0].isspace() and line.endswith(":"):
+            name, installed = line[:-1], ""
+        elif line.startswith("  Installed: "):
+            installed = line.split(": ", 1)[1]
+        elif line.startswith("  Candidate: ") and name:
+            candidate = line.split(": ", 1)[1]
+            if installed not in ("", "(none)") and candidate not in ("(none)", installed):
+                found[name] = candidate
+    return found
+
+
+def package_policy(names: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """:func:`installed_origins` and :func:`upgradable_in` for these packages, as apt's
+    lists stand now."""
     if shutil.which("apt-cache") is None:
-        return {}
+        return {}, {}
     origins: dict[str, str] = {}
+    upgradable: dict[str, str] = {}
     for start in range(0, len(names), 500):
         out = subprocess.run(
             ["apt-cache", "policy", *names[start : start + 500]],
@@ -211,7 +233,8 @@ def package_origins(names: list[str]) -> dict[str, str]:
             env={**os.environ, "LC_ALL": "C"},
         )
         origins.update(installed_origins(out.stdout))
-    return origins
+        upgradable.update(upgradable_in(out.stdout))
+    return origins, upgradable
 
 
 def tree_digests(root: Path) -> dict[str, str]:
@@ -256,7 +279,7 @@ def host_state() -> HostState:
     """The host as it is now."""
     fields = dict(line.split("=", 1) for line in _read(OS_RELEASE).splitlines() if "=" in line)
     versions = installed_packages()
-    origins = package_origins(sorted(versions))
+    origins, upgradable = package_policy(sorted(versions))
     # apt names a package of the host's own architecture without it (libc6, not libc6:amd64)
     origins.update(
         {
@@ -271,6 +294,7 @@ def host_state() -> HostState:
         pythons={python: python_version(python) for python in PYTHONS},
         etc_apt=tree_digests(ETC_APT),
         packages={n: Package(v, origins.get(n, LOCAL)) for n, v in versions.items()},
+        upgradable=upgradable,
     )
 
 
@@ -280,6 +304,7 @@ def write_state(state: HostState, path: Path) -> None:
     lines += [f"python {name} {version}" for name, version in state.pythons.items()]
     lines += [f"etc_apt {digest} {path}" for path, digest in state.etc_apt.items()]
     lines += [f"package {n} {p.version} {p.origin}" for n, p in sorted(state.packages.items())]
+    lines += [f"upgradable {n} {v}" for n, v in sorted(state.upgradable.items())]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -292,6 +317,7 @@ def read_state(path: Path) -> HostState:
     pythons: dict[str, str] = {}
     etc_apt: dict[str, str] = {}
     packages: dict[str, Package] = {}
+    upgradable: dict[str, str] = {}
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         kind, _, rest = line.partition(" ")
         words = rest.split(" ")
@@ -305,11 +331,13 @@ def read_state(path: Path) -> HostState:
             etc_apt[rest.split(" ", 1)[1]] = words[0]
         elif kind == "package" and len(words) == 3:
             packages[words[0]] = Package(words[1], words[2])
+        elif kind == "upgradable" and len(words) == 2:
+            upgradable[words[0]] = words[1]
         else:
             raise ValueError(f"{path}:{n}: not a line of a host record: {line!r}")
     if release is None or debian_version is None:
         raise ValueError(f"{path}: no 'release' or 'debian_version' line: not a host record")
-    return HostState(release, debian_version, pythons, etc_apt, packages)
+    return HostState(release, debian_version, pythons, etc_apt, packages, upgradable)
 
 
 @dataclass(frozen=True)
@@ -350,6 +378,13 @@ def compare(before: HostState, after: HostState) -> HostChanges:
             bad.append(f"{name} {old.version} -> {package.version}")
     for name in sorted(set(before.packages) - set(after.packages)):
         bad.append(f"{name} {before.packages[name].version} removed")
+    # The host's package index, as `apt list --upgradable` reads it: a refreshed list shows
+    # upgrades the host did not show before (or hides ones it did).
+    for name in sorted(set(before.upgradable) | set(after.upgradable)):
+        was, now = before.upgradable.get(name), after.upgradable.get(name)
+        if was != now and name in before.packages and name in after.packages:
+            shown = "not upgradable" if now is None else f"upgradable to {now}"
+            bad.append(f"apt list --upgradable: {name} now {shown}")
     return HostChanges(added, bad)
 
 

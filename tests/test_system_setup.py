@@ -125,7 +125,8 @@ def test_the_unpacked_tools_are_the_recorded_ones_and_none_is_installed_in_the_h
 def test_the_host_changed_only_by_new_packages_of_its_release_since_the_command_started() -> None:
     """What scripts/test checks as its last step, checked here as far as the run has come:
     since its first step nothing was upgraded, removed, or taken from another release, and
-    /etc/apt, /etc/debian_version and python3 are as they were."""
+    /etc/apt, /etc/debian_version, python3 and what ``apt list --upgradable`` shows are as
+    they were."""
     path = systemsetup.record_path(systemsetup.HOST_RECORD_ENV)
     if path is None:
         pytest.skip(f"{systemsetup.HOST_RECORD_ENV} unset: pytest was not started by scripts/test")
@@ -257,10 +258,27 @@ def test_a_packages_origin_is_the_release_whose_lists_hold_its_installed_version
     }
 
 
+def test_what_apt_list_upgradable_shows_is_read_from_the_same_policy() -> None:
+    assert systemsetup.upgradable_in(POLICY) == {"libc6": "2.36-9+deb12u13"}
+
+
+def test_a_refreshed_package_index_is_reported() -> None:
+    """The host's lists refreshed (``apt-get update`` on them): ``apt list --upgradable``
+    shows what it did not, though no package changed."""
+    before = replace(BEFORE, upgradable={"perl": "5.36.0-7+deb12u3"})
+    after = replace(BEFORE, upgradable={"libc6:amd64": "2.36-9+deb12u13"})
+    assert systemsetup.compare(before, after).violations == [
+        "apt list --upgradable: libc6:amd64 now upgradable to 2.36-9+deb12u13",
+        "apt list --upgradable: perl now not upgradable",
+    ]
+    assert systemsetup.compare(after, after).violations == []
+
+
 def test_a_host_record_reads_back_as_written_and_a_bad_line_is_named(tmp_path: Path) -> None:
     path = tmp_path / "host.txt"
-    systemsetup.write_state(BEFORE, path)
-    assert systemsetup.read_state(path) == BEFORE
+    state = replace(BEFORE, upgradable={"libc6:amd64": "2.36-9+deb12u13"})
+    systemsetup.write_state(state, path)
+    assert systemsetup.read_state(path) == state
     path.write_text(path.read_text() + "package half-a-line\n")
     with pytest.raises(ValueError, match=r"host\.txt:\d+: not a line of a host record"):
         systemsetup.read_state(path)
@@ -450,6 +468,11 @@ def test_the_set_up_step_adds_no_apt_source_and_installs_from_no_other_release()
     assert "/etc/apt" not in code
     assert "Default-Release" not in code
     assert not re.search(r"apt-get[^\n]* (-t|--target-release)\b", code)
-    assert "options=(-o APT::Get::Upgrade-By-Source-Package=false)" in code
+    # The host's own install: nothing upgraded by source package, and its lists and cache
+    # private, so the host's package index (`apt list --upgradable`) is never refreshed.
+    host = code.split("host_install() {", 1)[1].split("\n}", 1)[0]
+    assert "-o APT::Get::Upgrade-By-Source-Package=false" in host
+    assert '-o "Dir::State::Lists=$apt/lists" -o "Dir::Cache=$apt/cache"' in host
+    assert "apt-get update" not in host and 'apt-get -qq "${options[@]}" update' in host
     installs = re.findall(r"^(?!.*\becho\b).*\bapt-get\b.*\binstall\b.*$", code, re.M)
     assert len(installs) == 2 and all('"${options[@]}"' in ln for ln in installs), installs
