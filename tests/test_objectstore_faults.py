@@ -285,6 +285,20 @@ def test_replaced_before_the_plan_the_draft_is_all_the_new_version(
     assert _loaded(events)["retried"] == 0
 
 
+def _refused(own_stream: OwnStream, fault: Any) -> tuple[str, float, dict[str, Any]]:
+    """The draft's load with one fault armed: the error it raised, how long it took and the
+    fault's state."""
+    from hybrid_draft.core.objectstore import ObjectStoreError
+
+    store = own_stream.store
+    store.s3.arm(fault(store.key))
+    started = time.monotonic()
+    with pytest.raises(ObjectStoreError) as info:
+        own_stream.load()
+    took = time.monotonic() - started
+    return str(info.value), took, store.s3.disarm()
+
+
 def _etag(data: bytes) -> str:
     """The ETag the server gives an object put whole: its MD5, quoted."""
     import hashlib
@@ -411,19 +425,9 @@ def test_truncated_before_the_plan_the_draft_fails_naming_the_object(
 def test_a_plan_the_store_refuses_fails_once_naming_the_object_and_the_answer(
     own_stream: OwnStream, events: Events, fault: Any, answer: str, gets: int
 ) -> None:
-    from hybrid_draft.core.objectstore import ObjectStoreError
-
-    store = own_stream.store
-    store.s3.arm(fault(store.key))
-    started = time.monotonic()
-
-    with pytest.raises(ObjectStoreError) as info:
-        own_stream.load()
-
-    took = time.monotonic() - started
-    state = store.s3.disarm()
-    expected = f"{store.address}: reading its header for the draft's plan: {answer}"
-    assert str(info.value) == expected
+    error, took, state = _refused(own_stream, fault)
+    expected = f"{own_stream.store.address}: reading its header for the draft's plan: {answer}"
+    assert error == expected
     assert _failed(events, "ObjectStoreError")["error"] == expected
     (decision,) = events.decisions("draft")
     assert (decision["action"], decision["reason"]) == ("switched", "same_checkpoint")
@@ -456,22 +460,12 @@ def test_a_plan_the_store_refuses_fails_once_naming_the_object_and_the_answer(
 def test_a_stream_the_store_refuses_fails_naming_the_object_and_the_answer(
     own_stream: OwnStream, events: Events, fault: Any, answer: str
 ) -> None:
-    from hybrid_draft.core.objectstore import ObjectStoreError
-
-    store = own_stream.store
-    store.s3.arm(fault(store.key))
-    started = time.monotonic()
-
-    with pytest.raises(ObjectStoreError) as info:
-        own_stream.load()
-
-    took = time.monotonic() - started
-    store.s3.disarm()
+    error, took, _ = _refused(own_stream, fault)
     expected = (
-        f"{store.address}: the Run:ai Model Streamer could not read the draft's tensors "
+        f"{own_stream.store.address}: the Run:ai Model Streamer could not read the draft's tensors "
         f"(File access error); asked again, {answer}"
     )
-    assert str(info.value) == expected
+    assert error == expected
     assert _failed(events, "ObjectStoreError")["error"] == expected
     assert took < 90  # Run:ai's client: about 5 s per stalled attempt, 3 attempts
 
