@@ -42,7 +42,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from hybrid_draft.core.policy import (
@@ -487,37 +487,47 @@ def one_pass(spec: dict[str, Any]) -> dict[str, Any]:
         return time.perf_counter() - start
 
     out = _phased_result(device)
-    pagecache.settle()  # what setting up started in the background ends before any timing
-    # One untimed pass first: a process's first pass also pays its one-time costs (code
-    # paths, the allocator's growth), which would fall on whichever side ran first.
-    pagecache.evict(files)
-    out["warmup_seconds"] = target_pass(None)
-    for i in range(spec["runs"]):
-        for tapped in (i % 2 == 0, i % 2 != 0):
-            out["cold"].append(pagecache.evict(files) == 0)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            if not tapped:
-                out["untapped_target_seconds"].append(target_pass(None))
-                continue
-            made = hold.Hold.of(plan, None, budget, lambda _name: False, current)
-            out["target_seconds"].append(target_pass(made))
-            out["held_bytes"].append(made.peak_bytes)
-            before, start = pagecache.read_bytes(), time.perf_counter()
-            for name, tensor in draft_weights(plan, read_storage, made):
-                buffers[name].copy_(tensor)
-            if cuda:
-                _cuda_sync()
-            out["seconds"].append(time.perf_counter() - start)
-            out["bytes_read"].append(pagecache.read_bytes() - before)
-            out["resident_bytes"].append(pagecache.resident_bytes(files))
-            if cuda:
-                out["peak_device_bytes"].append(torch.cuda.max_memory_allocated())
-            made.release("the bench's draft load ended")
+    for _ in _tapped_runs(out, files, spec["runs"], lambda: target_pass(None)):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        made = hold.Hold.of(plan, None, budget, lambda _name: False, current)
+        out["target_seconds"].append(target_pass(made))
+        out["held_bytes"].append(made.peak_bytes)
+        before, start = pagecache.read_bytes(), time.perf_counter()
+        for name, tensor in draft_weights(plan, read_storage, made):
+            buffers[name].copy_(tensor)
+        if cuda:
+            _cuda_sync()
+        out["seconds"].append(time.perf_counter() - start)
+        out["bytes_read"].append(pagecache.read_bytes() - before)
+        out["resident_bytes"].append(pagecache.resident_bytes(files))
+        if cuda:
+            out["peak_device_bytes"].append(torch.cuda.max_memory_allocated())
+        made.release("the bench's draft load ended")
     out["peak_rss"] = pagecache.peak_rss()
     stream_name = "InstantTensor's stream" if cuda else "the whole-shard stream"
     out["ran"] = f"{stream_name} + tap + {FILTERED}"
     return out
+
+
+def _tapped_runs(
+    out: dict[str, Any], files: list[str], runs: int, untapped: Callable[[], float]
+) -> Iterator[None]:
+    """A one-pass strategy's runs, every one cold: ``runs`` tapped and as many untapped
+    target passes, alternating which comes first; the untapped ones are timed here, and the
+    caller does each tapped one when this yields. One untimed pass comes first: a process's
+    first pass also pays its one-time costs (code paths, the allocator's growth), which would
+    fall on whichever side ran first."""
+    pagecache.settle()  # what setting up started in the background ends before any timing
+    pagecache.evict(files)
+    out["warmup_seconds"] = untapped()
+    for i in range(runs):
+        for tapped in (i % 2 == 0, i % 2 != 0):
+            out["cold"].append(pagecache.evict(files) == 0)
+            if tapped:
+                yield
+            else:
+                out["untapped_target_seconds"].append(untapped())
 
 
 def _phased_result(device: str) -> dict[str, Any]:
@@ -604,35 +614,26 @@ def vllm_one_pass(spec: dict[str, Any]) -> dict[str, Any]:
 
     out = _phased_result("cpu")
     network: dict[str, list[Any]] | None = {key: [] for key in _NETWORK_KEYS} if s3 else None
-    pagecache.settle()  # what setting up started in the background ends before any timing
-    # One untimed pass first, as in one_pass.
-    pagecache.evict(files)
-    out["warmup_seconds"] = target_pass(None)
-    for i in range(spec["runs"]):
-        for tapped in (i % 2 == 0, i % 2 != 0):
-            out["cold"].append(pagecache.evict(files) == 0)
-            if not tapped:
-                out["untapped_target_seconds"].append(target_pass(None))
-                continue
-            with set_current_vllm_config(config), loadscope.scope():
-                decided = target_load(config)
-                held = decided.tap
-                if held is None:
-                    raise RuntimeError(f"the target's load holds nothing: {decided.target}")
-                out["target_seconds"].append(target_pass(decided, network))
-                out["held_bytes"].append(held.peak_bytes)
-                chars = pagecache.read_chars()
-                before, start = pagecache.read_bytes(), time.perf_counter()
-                with figures.measuring() as cost:
-                    for name, tensor in draft_weights(plan, read_storage, held):
-                        buffers[name].copy_(tensor)
-                out["seconds"].append(time.perf_counter() - start)
-                out["bytes_read"].append(pagecache.read_bytes() - before)
-                if network is not None:
-                    network["network_bytes"].append(pagecache.read_chars() - chars)
-                    network["product_network_bytes"].append(cost.network)
-                out["resident_bytes"].append(pagecache.resident_bytes(files))
-                held.release("the bench's draft load ended")
+    for _ in _tapped_runs(out, files, spec["runs"], lambda: target_pass(None)):
+        with set_current_vllm_config(config), loadscope.scope():
+            decided = target_load(config)
+            held = decided.tap
+            if held is None:
+                raise RuntimeError(f"the target's load holds nothing: {decided.target}")
+            out["target_seconds"].append(target_pass(decided, network))
+            out["held_bytes"].append(held.peak_bytes)
+            chars = pagecache.read_chars()
+            before, start = pagecache.read_bytes(), time.perf_counter()
+            with figures.measuring() as cost:
+                for name, tensor in draft_weights(plan, read_storage, held):
+                    buffers[name].copy_(tensor)
+            out["seconds"].append(time.perf_counter() - start)
+            out["bytes_read"].append(pagecache.read_bytes() - before)
+            if network is not None:
+                network["network_bytes"].append(pagecache.read_chars() - chars)
+                network["product_network_bytes"].append(cost.network)
+            out["resident_bytes"].append(pagecache.resident_bytes(files))
+            held.release("the bench's draft load ended")
     out["peak_rss"] = pagecache.peak_rss()
     out["ran"] = f"tap + {draft_format}"
     if network is not None:
