@@ -104,16 +104,15 @@ _CLIENT_ENV = (
 )
 
 
-def client(access: Access, attempts: int | None = None) -> Any:
+def client(access: Access, attempts: int) -> Any:
     """An S3 client built as the Run:ai Model Streamer's S3 package builds its own
     (``AWS_ENDPOINT_URL``, the credential chain, path-style addressing where
     ``RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING=0``, unsigned requests where
     ``RUNAI_STREAMER_S3_UNSIGNED=1``), its requests bounded by ``access``: botocore's
-    standard retries (throttling, 5xx, connection errors and timeouts), ``attempts`` in all
-    (default: one and ``access.retries``). Reused while the environment it was built from
-    holds (a boto3 client is thread-safe)."""
+    standard retries (throttling, 5xx, connection errors and timeouts), ``attempts`` in all.
+    Reused while the environment it was built from holds (a boto3 client is thread-safe)."""
     env = tuple(os.environ.get(name) for name in _CLIENT_ENV)
-    return _client(access.timeout, attempts or access.retries + 1, env)
+    return _client(access.timeout, attempts, env)
 
 
 @functools.lru_cache(maxsize=8)
@@ -403,8 +402,13 @@ def _head(uri: str, requests: _Requests, access: Access) -> checkpoint.ObjectVer
         return _version(requests.call("head_object", uri))
     except ClientError:
         pass
-    one = _Requests(access, attempts=1)
-    response = one.call("get_object", uri, Range="bytes=0-0")
+    return _first_byte(uri, _Requests(access, attempts=1))
+
+
+def _first_byte(uri: str, requests: _Requests) -> checkpoint.ObjectVersion:
+    """The object's version, from a GET of its first byte: an answer that, refused, carries
+    the store's error code (a refused HEAD has none)."""
+    response = requests.call("get_object", uri, Range="bytes=0-0")
     _body(response, 1)
     return _version(response)
 
@@ -477,16 +481,15 @@ def explain(
     a GET of each object's first byte, one attempt each. ``ShardChanged`` for an object
     that changed, :class:`ObjectStoreError` with the store's answer for one it refuses;
     None where there is no ``s3://`` shard to ask about."""
-    pinned = [s for s in shards if s.uri is not None and is_s3(s.uri)]
-    if not pinned:
+    objects = [s for s in shards if s.uri is not None and is_s3(s.uri)]
+    if not objects:
         return None
     why = _runai_reason(failure)
     one = _Requests(access, attempts=1)
-    for shard in pinned:
+    for shard in objects:
         assert shard.uri is not None
         try:
-            response = one.call("get_object", shard.uri, Range="bytes=0-0")
-            _body(response, 1)
+            found = _first_byte(shard.uri, one)
         except Exception as exc:
             gone = _gone(shard.uri, exc, shard.version)
             if gone is not None:
@@ -495,10 +498,9 @@ def explain(
                 f"{files.show_path(shard.uri)}: the Run:ai Model Streamer could not read the "
                 f"draft's tensors ({why}); asked again, {_answer(exc, access)}"
             )
-        found = _version(response)
         if shard.version is not None and not _same(shard.version, found):
             return ShardChanged(_changed(shard, found, "while the draft's tensors were read"))
-    shown = ", ".join(files.show_path(s.uri or s.location) for s in pinned)
+    shown = ", ".join(files.show_path(s.uri or s.location) for s in objects)
     return ObjectStoreError(
         f"{shown}: the Run:ai Model Streamer could not read the draft's tensors ({why}) "
         f"within its {access.retries} retries of each request; asked again, the object store "
