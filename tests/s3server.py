@@ -43,6 +43,7 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
+from http import HTTPStatus
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -750,9 +751,10 @@ def _error(
         f"<Key>{key}</Key><BucketName>{bucket}</BucketName>"
         "<RequestId>s3server-fault</RequestId></Error>"
     ).encode()
-    reason = {403: "Forbidden", 404: "Not Found", 500: "Internal Server Error"}.get(
-        fault.status, "Service Unavailable" if fault.status == 503 else "Error"
-    )
+    try:
+        reason = HTTPStatus(fault.status).phrase
+    except ValueError:  # a status HTTP does not name
+        reason = "Error"
     data = b"" if method == "HEAD" else doc
     start_response(
         f"{fault.status} {reason}",
