@@ -466,10 +466,15 @@ def test_scripts_test_records_the_host_first_sets_it_up_next_and_compares_it_las
     assert record < setup
     for later in ('"$PYTHON" -m venv', "bash scripts/image-test", '"$PY" -m pytest'):
         assert setup < text.index(later), later
-    assert code[-2:] == [
-        '"$PYTHON" tests/systemsetup.py compare "$HYBRID_DRAFT_HOST_RECORD" || status=1',
-        'exit "$status"',
-    ]
+    compare = code.index(
+        '"$PYTHON" tests/systemsetup.py compare "$HYBRID_DRAFT_HOST_RECORD" || status=1'
+    )
+    assert text.index('"$PY" -m pytest') < text.index(code[compare])
+    # After it only the temporary folder's report, on the listing taken before the run's own
+    # folder was made, and the exit.
+    assert code[-1] == 'exit "$status"'
+    assert all("HOST_TMP" in line or "new_tmp" in line for line in code[compare + 1 : -1])
+    assert text.index('HOST_TMP_BEFORE=$(ls -A "$HOST_TMP")') < text.index("RUN_TMP=$(mktemp")
     for script in ("scripts/test", "scripts/image-test", "scripts/cpu-env.sh"):
         assert not [line for line in _code(script) if "apt-get" in line], script
 
