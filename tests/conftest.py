@@ -329,6 +329,42 @@ def load_target_and_draft(config: Any, route: str = ROUTE) -> Loaded:
     return Loaded(config, target, draft)
 
 
+#: vLLM's CPU model runners, by route: 0.33's V1 runner, and model runner v2's, which every
+#: supported release has.
+RUNNERS = {"v1": "vllm.v1.worker.cpu_model_runner", "v2": "vllm.v1.worker.cpu.model_runner"}
+
+
+def model_runner(config: Any, route: str = "v2") -> Any:
+    """vLLM's own CPU model runner of ``route`` for ``config``, built and loaded (the target,
+    then its draft, in the runner's own ``load_model``) as vLLM's CPU worker does it: model
+    runner v2's after the CPU patches that worker imports first
+    (``vllm.v1.worker.cpu.shm``: CUDA streams, events and pinned memory as no-ops on the
+    CPU, process-wide as in the worker). Skipped where this vLLM has no such runner."""
+    import importlib
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized
+
+    module = vllm_module(RUNNERS[route])
+    if route == "v2":
+        importlib.import_module("vllm.v1.worker.cpu.shm")
+    with set_current_vllm_config(config):
+        ensure_model_parallel_initialized(1, 1)
+        runner = module.CPUModelRunner(config, torch.device("cpu"))
+        runner.load_model()
+    return runner
+
+
+def reload_weights(runner: Any, **kwargs: Any) -> None:
+    """The runner's own ``reload_weights``, as vLLM's worker calls it (``Worker
+    .reload_weights``: under the runner's config)."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(runner.vllm_config):
+        runner.reload_weights(**kwargs)
+
+
 class Recorder:
     """Calls of a weights iterator: its files (base names) and keyword arguments.
 

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 #: environment to Ray workers (``adapter/ray_env.py``), so the settings reach every node.
 HOOKS = {
     "vllm.model_executor.model_loader": "hybrid_draft.adapter.patch:on_model_loader",
-    # The model runners' load_model: the scope a one-pass hold lives in.
+    # The model runners' load_model: the scope a one-pass hold lives in; their
+    # reload_weights: the draft reloaded with its target.
     "vllm.v1.worker.gpu_model_runner": "hybrid_draft.adapter.loadscope:on_runner",
     "vllm.v1.worker.cpu_model_runner": "hybrid_draft.adapter.loadscope:on_runner",
     "vllm.v1.worker.gpu.model_runner": "hybrid_draft.adapter.loadscope:on_runner",

@@ -121,6 +121,10 @@ class Decision:
     revision: str | None = None
     target_model: Opt[str | None] = ABSENT
     target_revision: Opt[str | None] = ABSENT
+    #: ``load``: the model's first load; ``reload``: a reload of its weights in place.
+    trigger: str = "load"
+    #: A reload's: where the target's new weights come from (``policy.ReloadSource``).
+    reload_source: Opt[str] = ABSENT
     #: A target's.
     one_pass: Opt[OnePass] = ABSENT
     #: A draft's, from here to ``process_group``.
@@ -178,6 +182,8 @@ class Loaded:
     model: str | None
     load_format: str | None
     tensor_filter: bool
+    trigger: str = "load"
+    reload_source: Opt[str] = ABSENT
     cost: Cost = dataclasses.field(metadata={"flatten": Cost})
     where: Where = dataclasses.field(metadata={"flatten": Where})
     sources: Opt[Sources] = ABSENT

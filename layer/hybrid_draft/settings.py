@@ -35,6 +35,9 @@ else:  # pragma: no cover - the image and the tests run 3.11+
     import tomli as tomllib
 
 MODES = ("auto", "safetensors", "instanttensor", "selective")
+#: What the layer does about the draft when vLLM reloads the target's weights in place:
+#: ``auto`` reloads it in the same call, ``off`` leaves it to vLLM (which reloads none).
+RELOADS = ("auto", "off")
 LEVELS = ("debug", "info", "warning", "error")
 
 DEFAULT_CONFIG_PATH = "/etc/hybrid-draft.toml"
@@ -50,6 +53,7 @@ ENV_DRIVER = "HYBRID_DRAFT_DRIVER_SETTINGS"
 ENV_KEEP_FORMATS = "HYBRID_DRAFT_KEEP_FORMATS"
 ENV_OBJECT_TIMEOUT = "HYBRID_DRAFT_OBJECT_TIMEOUT"
 ENV_OBJECT_RETRIES = "HYBRID_DRAFT_OBJECT_RETRIES"
+ENV_RELOAD = "HYBRID_DRAFT_RELOAD"
 #: The target load formats whose drafts the layer can read filtered (``policy.TARGET_FORMATS``,
 #: repeated here: settings sits below the policy); ``keep_formats`` keeps any untouched.
 TARGET_FORMATS = ("instanttensor", "fastsafetensors", "runai_streamer")
@@ -58,7 +62,7 @@ SOURCES = ("env", "file", "default")
 #: The settings that change what a load decides or reads: the fingerprint covers exactly
 #: these. The log level and the events file change only what is reported (and an events
 #: file is often a per-host path), so ranks that load alike keep one fingerprint. It covers
-#: ``keep_formats`` too, when set.
+#: ``keep_formats`` and ``reload`` too, when set to other than their defaults.
 DECISION_SETTINGS = ("mode", "hold_budget", "skip_replaced")
 
 #: What the target's InstantTensor pass may keep in memory for the draft (docs/design.md).
@@ -128,6 +132,8 @@ class Settings:
     object_retries: Value = field(
         default_factory=lambda: Value(DEFAULT_OBJECT_RETRIES, "default", "default")
     )
+    #: Whether a reload of the target's weights reloads the draft too (``auto``, ``off``).
+    reload: Value = field(default_factory=lambda: Value("auto", "default", "default"))
     #: The host whose settings were carried here (``HYBRID_DRAFT_DRIVER_SETTINGS``), if any.
     carried_from: str | None = None
 
@@ -158,8 +164,12 @@ class Settings:
         """A short hash of the values in :data:`DECISION_SETTINGS`: equal on every rank and
         host whose settings load alike, whichever source each value came from."""
         values = {name: getattr(self, name).value for name in DECISION_SETTINGS}
-        if self.keep_formats.value:  # only when set: the default keeps earlier fingerprints
+        # Each only where it is not its default, which keeps the fingerprints of earlier
+        # releases of the layer.
+        if self.keep_formats.value:
             values["keep_formats"] = list(self.keep_formats.value)
+        if self.reload.value != "auto":
+            values["reload"] = self.reload.value
         data = json.dumps(values, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(data.encode()).hexdigest()[:12]
 
@@ -281,6 +291,7 @@ KEYS = (
         DEFAULT_OBJECT_RETRIES,
         "count",
     ),
+    Key("reload", "draft", "reload", ENV_RELOAD, "auto", "choice", RELOADS),
 )
 _KEYS = {(k.table, k.key): k for k in KEYS}
 _ACCEPTED_KEYS = ", ".join(k.dotted for k in KEYS)

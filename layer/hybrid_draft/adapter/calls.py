@@ -4,7 +4,9 @@ vLLM loads a speculative draft along three routes, and each hands ``get_model`` 
 configs differently: the V1 ``EagleProposer`` passes ``load_config=``; model runner v2's
 ``load_eagle_model`` swaps ``vllm_config.load_config``; the standalone ``draft_model``
 proposers pass neither (their ``vllm_config.model_config`` is the draft's). The draft is
-recognised by identity with ``speculative_config.draft_model_config`` on all three.
+recognised by identity with ``speculative_config.draft_model_config`` on all three. A
+reload in place (a model runner's ``reload_weights``) resolves the same configs, with its
+trigger (``policy.Reload``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class Call:
     model_config: ModelConfig
     load_config: LoadConfig
     speculative_config: SpeculativeConfig | None
+    #: A reload's trigger (None: the model's first load).
+    reload: policy.Reload | None = None
 
     @classmethod
     def resolve(
@@ -33,12 +37,14 @@ class Call:
         vllm_config: VllmConfig,
         model_config: ModelConfig | None = None,
         load_config: LoadConfig | None = None,
+        reload: policy.Reload | None = None,
     ) -> Call:
         return cls(
             vllm_config=vllm_config,
             model_config=model_config if model_config is not None else vllm_config.model_config,
             load_config=load_config if load_config is not None else vllm_config.load_config,
             speculative_config=getattr(vllm_config, "speculative_config", None),
+            reload=reload,
         )
 
     @property
@@ -58,6 +64,12 @@ class Call:
             self.vllm_config.model_config
         )
 
+    def skips_replaced(self, setting: bool) -> bool:
+        """Whether the draft's plan leaves out what vLLM replaces with the target's: the
+        ``skip_replaced`` ``setting`` at a first load; always at a reload, where those
+        parameters are the target's own, which the target's reload has just restored."""
+        return self.reload is not None or setting
+
     def request(self) -> policy.Request:
         spec = self.speculative_config
         explicit = getattr(spec, "draft_load_config", None)
@@ -71,6 +83,7 @@ class Call:
             ),
             model=checkpoint_of(self.model_config),
             target=checkpoint_of(self.target_model_config) if role == "draft" else None,
+            reload=self.reload,
         )
 
 

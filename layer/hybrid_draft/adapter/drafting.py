@@ -29,6 +29,14 @@ What each mode's draft does with PP > 1:
   InstantTensor read with ``process_group=None``; each rank of the last stage reads it.
 
 The target is loaded by every rank, so its grouped read is left as vLLM makes it.
+
+A reload's draft (``adapter.reload``) is decided here too, by the same steps: its plan is
+the checkpoint the target reloads from (what vLLM replaces always left out: the target's
+own parameters, which its reload restored), read as at its first load; from a reload's
+weights iterator it takes only what the target's stream held for it, all of it or nothing
+(a tensor the stream lacked, or one over the hold budget, would leave part of a layer as it
+was). A reload with none of the draft's tensors to give keeps the draft's weights, saying
+why (:func:`reload_check`).
 """
 
 from __future__ import annotations
@@ -149,17 +157,18 @@ def draft(
     except Exception as exc:  # vLLM's own load will report a class it cannot resolve
         pruning_rule, rule_error = None, f"{type(exc).__name__}: {exc}"
     same = request.reads_target_checkpoint
+    skips = call.skips_replaced(bool(current.skip_replaced.value))
     found = held(call, current, scope)
     plan = found.plan if same or decision.switched else None
     plan_error: Opt[str] = ABSENT
     unsupported: str | None = None
     failure: objectstore.ObjectStoreError | None = None
     access = objectstore.Access.of(current)
-    if plan is None and (same or decision.switched):
+    if plan is None and (same or decision.switched) and decision.reason not in policy.NOT_RELOADED:
         try:
             plan = draftplan.for_call(
                 call,
-                bool(current.skip_replaced.value),
+                skips,
                 access,
                 parts.part_off("runai_stream"),
             )
@@ -190,9 +199,13 @@ def draft(
             assert plan is not None
             selection = plan.selection().summary()
     ours = plan is not None and plan.is_unused is not None and loaders_off is None
+    if request.reload is not None and decision.reason not in policy.NOT_RELOADED:
+        decision = reload_check(decision, plan if same else None, found.hold, ours, call)
     load_config: LoadConfig | None = None
     reads = False
-    if decision.switched and failure is None:
+    if decision.reason == "reload_stream":
+        reads = True  # from the hold alone: no loader, no storage
+    elif decision.switched and failure is None:
         family = decision.chosen_format not in (policy.SAFETENSORS, policy.SELECTIVE_FORMAT)
         if not ours and family:  # a fastsafetensors or Run:ai draft: its target's loader
             failed = plan_error if isinstance(plan_error, str) else None
@@ -230,7 +243,7 @@ def draft(
     if read is not None:
         sources = read.plan.sources(set(found.hold.tensors) if found.hold is not None else ())
     skip_off = None
-    if request.method == "mtp" and bool(current.skip_replaced.value):
+    if request.method == "mtp" and skips:
         skip_off = parts.part_off("skip_replaced")  # said once, with part_skipped
     return Draft(
         decision=decision,
@@ -244,7 +257,7 @@ def draft(
         selection=selection,
         sources=sources,
         sources_detail=(
-            empty_sources(sources, found, scope, request, current, skip_off)
+            empty_sources(sources, found, scope, request, skips, skip_off)
             if not isinstance(sources, records.Absent)
             else ABSENT
         ),
@@ -257,7 +270,7 @@ def empty_sources(
     found: Held,
     scope: loadscope.Scope | None,
     request: policy.Request,
-    current: settings.Settings,
+    skips: bool,
     skip_off: str | None,
 ) -> Opt[Mapping[str, str]]:
     """Why the draft takes nothing from the target's stream, or skips nothing that vLLM
@@ -278,7 +291,7 @@ def empty_sources(
             why = "no_hold: the target's load kept no stream for this draft (its one_pass)"
         out["stream"] = why
     if not sources.get("replaced_by_target", {}).get("tensors"):
-        if not bool(current.skip_replaced.value):
+        if not skips:
             why = "skip_replaced_off: the skip_replaced setting is off"
         elif request.method != "mtp":
             why = f"not_mtp: vLLM replaces nothing in a {request.method} draft"
@@ -291,6 +304,57 @@ def empty_sources(
             )
         out["replaced_by_target"] = why
     return out or ABSENT
+
+
+def _names(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def reload_check(
+    decision: policy.Decision,
+    plan: DraftPlan | None,
+    held: hold.Hold | None,
+    ours: bool,
+    call: calls.Call,
+) -> policy.Decision:
+    """A reload's draft decision against what the reload gives the draft: a same-checkpoint
+    draft (``plan``) whose checkpoint holds none of its own tensors, or a stream that did
+    not carry every one of them within the hold budget, keeps its weights."""
+    if decision.reason == "reload_stream":
+        if not ours or held is None:
+            why = (
+                "the draft has no plan to take its tensors from the stream by"
+                if not ours
+                else "the target's reload held nothing of the stream for it (the target "
+                "decision's one_pass says why)"
+            )
+            return policy.not_reloaded(
+                decision, "incomplete_stream", f"{why}: the draft keeps its weights"
+            )
+        over = sorted(held.needed - held.wanted)
+        lacking = sorted(held.wanted - set(held.tensors))
+        if over or lacking:
+            parts_ = []
+            if lacking:
+                parts_.append(f"the weights iterator lacked {len(lacking)}: {_names(lacking)}")
+            if over:
+                parts_.append(f"{len(over)} did not fit the hold budget ({held.budget} bytes)")
+            return policy.not_reloaded(
+                decision,
+                "incomplete_stream",
+                f"of the draft's {len(held.needed)} tensors, {'; '.join(parts_)}: the draft "
+                "keeps its weights",
+            )
+        return decision
+    if plan is not None and plan.is_unused is not None and not plan.reads():
+        return policy.not_reloaded(
+            decision,
+            "no_draft_tensors",
+            f"the checkpoint at {call.model_config.model} holds none of the draft's own "
+            "tensors: the draft keeps its weights",
+        )
+    return decision
 
 
 # --- under pipeline parallelism ----------------------------------------------------------

@@ -185,6 +185,24 @@ SHARE_TARGET_LM_HEAD = Name(
 )
 LOAD_EAGLE_MODEL = Name(f"{_MRV2}:load_eagle_model", ("target_model", "vllm_config"))
 
+# A reload in place: the model runners' ``reload_weights`` (which reloads the target only),
+# their draft, and the steps vLLM's reload takes around a model's ``load_weights`` (0.34's
+# lifecycle, 0.33's layerwise helpers), which the draft's reload takes too.
+RUNNER_V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+RUNNER_V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
+_RELOAD_PARAMS = ("self", "weights_iterator", "weights_path", "is_checkpoint_format")
+RELOAD_WEIGHTS_V1 = Name(f"{RUNNER_V1}.reload_weights", _RELOAD_PARAMS)
+GET_DRAFT_MODEL_V1 = Name(f"{RUNNER_V1}.get_draft_model", ("self",))
+RELOAD_WEIGHTS_V2 = Name(f"{RUNNER_V2}.reload_weights", _RELOAD_PARAMS)
+GET_DRAFT_MODEL_V2 = Name(f"{RUNNER_V2}.get_draft_model", ("self",))
+_RELOAD = "vllm.model_executor.model_loader.reload"
+START_RELOAD = Name(f"{_RELOAD}.lifecycle:start_reload", ("model",))
+FINISH_RELOAD = Name(f"{_RELOAD}.lifecycle:finish_reload", ("model", "model_config", "device"))
+INITIALIZE_LAYERWISE_RELOAD = Name(f"{_RELOAD}.layerwise:initialize_layerwise_reload", ("model",))
+FINALIZE_LAYERWISE_PROCESSING = Name(
+    f"{_RELOAD}.layerwise:finalize_layerwise_processing", ("model", "model_config")
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -250,11 +268,39 @@ PARTS: Mapping[str, tuple[Layout, ...]] = MappingProxyType(
                 (SHARE_TARGET_EMBED, SHARE_TARGET_LM_HEAD, LOAD_EAGLE_MODEL),
             ),
         ),
+        # The draft reloaded with its target: a model runner's reload_weights and its draft,
+        # and vLLM's steps of a reload in place (the first layout of the runner at hand that
+        # is complete is the one a reload takes).
+        "reload": (
+            Layout(
+                "model runner v2, lifecycle",
+                (RELOAD_WEIGHTS_V2, GET_DRAFT_MODEL_V2, START_RELOAD, FINISH_RELOAD),
+            ),
+            Layout(
+                "model runner v2, layerwise",
+                (
+                    RELOAD_WEIGHTS_V2,
+                    GET_DRAFT_MODEL_V2,
+                    INITIALIZE_LAYERWISE_RELOAD,
+                    FINALIZE_LAYERWISE_PROCESSING,
+                ),
+            ),
+            Layout(
+                "V1 model runner, layerwise",
+                (
+                    RELOAD_WEIGHTS_V1,
+                    GET_DRAFT_MODEL_V1,
+                    INITIALIZE_LAYERWISE_RELOAD,
+                    FINALIZE_LAYERWISE_PROCESSING,
+                ),
+            ),
+        ),
     }
 )
 #: Parts probed at each use rather than once per process: their modules import vLLM's
 #: model loader themselves, so at the hook (inside that import) they may be half-imported.
-LATE = frozenset({"skip_replaced"})
+#: ``reload`` is probed for the model runner at hand only (:func:`reload_layout`).
+LATE = frozenset({"skip_replaced", "reload"})
 
 
 def vllm_version() -> str | None:
@@ -512,6 +558,21 @@ def late_part(part: str) -> tuple[Off | None, str]:
     return _part_off(layouts, probe)
 
 
+def reload_layout(runner: str) -> tuple[Off | None, str]:
+    """Probe the ``reload`` part for the model runner class ``runner`` (``module:Class``,
+    the one whose ``reload_weights`` was called) now: why it is off (None: on), and the
+    label of the layout a reload takes. Only that runner's layouts are probed: the other
+    runner's module is not imported for it."""
+    layouts = tuple(
+        layout
+        for layout in PARTS["reload"]
+        if any(n.path.startswith(f"{runner}.") for n in layout.names)
+    )
+    if not layouts:
+        return Off(failure=f"{runner} is not a model runner the layer reloads a draft for"), ""
+    return _part_off(layouts, _probe({n.path: n for lay in layouts for n in lay.names}))
+
+
 class Unsupported(Exception):
     """A private vLLM name the layer needs here has another shape on this vLLM."""
 
@@ -617,6 +678,20 @@ def should_skip_weight(weight_name: str, local_expert_ids: set[int] | None) -> b
     return bool(skip(weight_name, local_expert_ids))
 
 
+def init_ep_weight_filter(
+    loader: DefaultModelLoader, model: Any, model_config: ModelConfig
+) -> None:
+    """``DefaultModelLoader._init_ep_weight_filter``, as its ``load_weights`` calls it before
+    reading (by the shape found: 0.34 passes the model too, read under EPLB only)."""
+    _require(INIT_EP_WEIGHT_FILTER)
+    takes = capabilities().params.get(INIT_EP_WEIGHT_FILTER.path, INIT_EP_WEIGHT_FILTER.params)
+    init: Callable[..., None] = loader._init_ep_weight_filter
+    if takes == ("self", "model_config"):
+        init(model_config)
+    else:
+        init(model, model_config)
+
+
 def local_expert_filter(
     load_config: LoadConfig, model_config: ModelConfig
 ) -> Callable[[str], bool]:
@@ -628,10 +703,7 @@ def local_expert_filter(
     _require(LOCAL_EXPERT_IDS)
     probe = DefaultModelLoader(load_config)
     takes = capabilities().params.get(INIT_EP_WEIGHT_FILTER.path, INIT_EP_WEIGHT_FILTER.params)
-    init: Callable[..., None] = probe._init_ep_weight_filter  # by the shape found
-    if takes == ("self", "model_config"):
-        init(model_config)
-    else:
+    if takes != ("self", "model_config"):
         from vllm.config import get_current_vllm_config_or_none
 
         current = get_current_vllm_config_or_none()
@@ -639,8 +711,8 @@ def local_expert_filter(
             # Under EPLB vLLM filters by the layout of the draft it has built, which does
             # not exist yet: keep every expert (the draft's own load still filters).
             return lambda name: False
-        # Without EPLB the model is not read: the draft's is not built yet.
-        init(None, model_config)
+    # Without EPLB the model is not read: the draft's is not built yet.
+    init_ep_weight_filter(probe, None, model_config)
     local = probe.local_expert_ids
     return lambda name: should_skip_weight(name, local)
 
@@ -696,6 +768,39 @@ def world_rank() -> int | None:
     state = sys.modules.get("vllm.distributed.parallel_state")
     rank = getattr(getattr(state, "_WORLD", None), "rank", None)
     return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+
+
+@contextlib.contextmanager
+def reloading(model: Any, model_config: ModelConfig, device: Any, layout: str) -> Iterator[None]:
+    """vLLM's steps of a reload in place around ``model``'s ``load_weights``, by the
+    ``reload`` part's ``layout`` (:func:`reload_layout`): 0.34's ``start_reload`` and
+    ``finish_reload`` (its layerwise reload, or the direct one ``VLLM_RELOAD_MODE``
+    selects), 0.33's layerwise helpers. Each layer is processed again (quantized layers
+    repacked) and copied into its original storage, which CUDA graphs were captured on.
+    The finish runs whatever the load did: the model is never left on the meta device."""
+    names = next(lay.names for lay in PARTS["reload"] if lay.label == layout)
+    if START_RELOAD in names:
+        from vllm.model_executor.model_loader.reload.lifecycle import (
+            finish_reload,
+            start_reload,
+        )
+
+        start_reload(model)
+        try:
+            yield
+        finally:
+            finish_reload(model, model_config, device)
+        return
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_processing,
+        initialize_layerwise_reload,
+    )
+
+    initialize_layerwise_reload(model)
+    try:
+        yield
+    finally:
+        finalize_layerwise_processing(model, model_config)
 
 
 def engram_pattern() -> re.Pattern[str] | None:

@@ -6,6 +6,12 @@ target's one pass or the draft's plan and read, then the pipeline route), emit e
 ``hybrid_draft.decision`` rendered from the :class:`Load`, load, then emit
 ``hybrid_draft.loaded``, or ``hybrid_draft.load_failed`` before the exception propagates
 unchanged. The events' keys are the fields of ``hybrid_draft.records``' types.
+
+A reload in place (``adapter.reload``: a model runner's ``reload_weights``) is a load like
+any other, run here with its trigger (``policy.Reload``) as data: its events say
+``trigger: "reload"``. A reload's draft whose decision reloads nothing (its reason one of
+``policy.NOT_RELOADED``, or the layer could not decide it: vLLM reloads no draft) keeps
+its weights: no load, no ``loaded`` event.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ SWITCH_MESSAGE = {
     "tensors with fastsafetensors, as the target model loads",
     policy.RUNAI_STREAMER: "Hybrid draft loading: streaming only the speculative draft's "
     "tensors with the Run:ai Model Streamer, as the target model loads",
+    policy.WEIGHTS_ITERATOR: "Hybrid draft loading: reloading the speculative draft's "
+    "tensors from the weights iterator the target model reloaded from",
 }
 
 
@@ -68,6 +76,8 @@ class Load:
     route: drafting.Route | None = None
     #: Why the layer could not decide (``reason: layer_error``), letting vLLM load as asked.
     fault: str | None = None
+    #: A reload's trigger (None: the model's first load).
+    reload: policy.Reload | None = None
 
     @property
     def sink(self) -> Sink:
@@ -103,6 +113,22 @@ class Load:
     def tap(self) -> hold.Hold | None:
         return self.target.hold if self.target is not None else None
 
+    @property
+    def trigger(self) -> str:
+        return "load" if self.reload is None else "reload"
+
+    @property
+    def reload_source(self) -> str | records.Absent:
+        return self.reload.source if self.reload is not None else ABSENT
+
+    @property
+    def reloads_nothing(self) -> bool:
+        """A reload's draft that keeps its weights: its decision says so, or the layer could
+        not decide it (vLLM itself reloads no draft)."""
+        if self.reload is None or self.role != "draft":
+            return False
+        return self.decision is None or self.decision.reason in policy.NOT_RELOADED
+
     def decision_record(self) -> records.Decision:
         """``hybrid_draft.decision``."""
         request, decision, current = self.request, self.decision, self.snapshot
@@ -119,6 +145,8 @@ class Load:
                 detail=self.fault or "the layer could not decide this load",
                 model=self.model,
                 revision=None,
+                trigger=self.trigger,
+                reload_source=self.reload_source,
                 where=self.where,
             )
         model, target = request.model, request.target
@@ -143,6 +171,8 @@ class Load:
             revision=model.revision if model is not None else None,
             target_model=target.model if target is not None else ABSENT,
             target_revision=target.revision if target is not None else ABSENT,
+            trigger=self.trigger,
+            reload_source=self.reload_source,
             one_pass=self.target.report if self.target is not None else ABSENT,
             pruning_rule=draft.pruning_rule if draft is not None else ABSENT,
             rule_error=draft.rule_error if draft is not None else ABSENT,
@@ -173,6 +203,8 @@ class Load:
             model=self.model,
             load_format=self.load_format,
             tensor_filter=read is not None,
+            trigger=self.trigger,
+            reload_source=self.reload_source,
             cost=cost,
             where=self.where,
             sources=read.sources if read is not None and read.sources else ABSENT,
@@ -204,6 +236,7 @@ def decide(call: calls.Call, request: policy.Request, current: settings.Settings
         str(current.mode.value),
         loaders.handled_formats(current),
         loaders.unfiltered(current),
+        str(current.reload.value),
     )
     scope = loadscope.current()
     target = draft = None
@@ -234,6 +267,7 @@ def decide(call: calls.Call, request: policy.Request, current: settings.Settings
         route=drafting.route(
             call, request.role, fmt, load_config, parts.part_off("ungrouped_draft")
         ),
+        reload=request.reload,
     )
 
 
@@ -301,9 +335,14 @@ def unready() -> str | None:
     return why
 
 
-def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None], Any]) -> Any:
-    """One load: decide, emit the decision, load, emit what it cost. The process's first
-    load installs the layer's parts first (:func:`unready`), outside the load's figures."""
+def run(
+    resolve: Callable[[], calls.Call],
+    proceed: Callable[[LoadConfig | None], Any],
+    reload: policy.Reload | None = None,
+) -> Any:
+    """One load (a reload in place with ``reload``, its trigger): decide, emit the decision,
+    load, emit what it cost. The process's first load installs the layer's parts first
+    (:func:`unready`), outside the load's figures."""
     if unready() is not None:
         return proceed(None)
     with figures.measuring() as cost:
@@ -317,7 +356,8 @@ def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None]
         try:
             current = read_settings()
         except settings.ConfigError as exc:
-            _finish(Load(request=request, snapshot=None, where=where_of(None)), cost, exc)
+            failed = Load(request=request, snapshot=None, where=where_of(None), reload=reload)
+            _finish(failed, cost, exc)
             raise  # an invalid setting stops the load
         try:
             if fault is not None:
@@ -332,6 +372,7 @@ def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None]
                 snapshot=current,
                 where=where_of(current),
                 fault=f"{type(exc).__name__}: {exc}",
+                reload=reload,
             )
             emit(
                 "hybrid_draft.decision",
@@ -341,6 +382,8 @@ def run(resolve: Callable[[], calls.Call], proceed: Callable[[LoadConfig | None]
             )
         else:
             _emit_decision(load)
+        if load.reloads_nothing:
+            return None
         tap = load.tap
         cost.observe = tap.offer if tap is not None else None
         try:
@@ -369,8 +412,16 @@ def _settle(load: Load) -> None:
 
 
 def _emit_decision(load: Load) -> None:
-    emit("hybrid_draft.decision", sink=load.sink, **records.render(load.decision_record()))
     decision = load.decision
+    # A draft left with weights that no longer match its target's: a warning (unless the
+    # user turned the reload off).
+    stale = load.reloads_nothing and decision is not None and decision.reason != "reload_off"
+    emit(
+        "hybrid_draft.decision",
+        "warning" if stale else "info",
+        sink=load.sink,
+        **records.render(load.decision_record()),
+    )
     if decision is not None and decision.switched:
         from vllm.logger import init_logger
 

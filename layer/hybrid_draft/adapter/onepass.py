@@ -6,6 +6,10 @@ real vLLM configs, so the bench holds what a served load holds: the draft's plan
 the tensors vLLM replaces and other ranks' experts (:func:`expert_filter`, vLLM's own
 code), within the budget :func:`budget` sets (``hold_budget``, capped by the memory the
 target leaves free).
+
+A reload in place taps its stream the same way: vLLM's loader of the target's format when
+the target reloads from a checkpoint, or the weights iterator it was given (any format;
+each held tensor a copy: the iterator's buffers are its producer's).
 """
 
 from __future__ import annotations
@@ -52,11 +56,16 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
     if setting <= 0:
         return _off("hold_budget_zero")
     requested = call.request().requested_format
-    if requested not in _STREAMED or requested not in loaders.handled_formats(current):
+    stream = call.reload is not None and call.reload.source == "iterator"
+    if stream:  # the reload's weights iterator, whatever the target's format
+        needed: tuple[str, ...] = ("one_pass",)
+    elif requested not in _STREAMED or requested not in loaders.handled_formats(current):
         if requested in loaders.unfiltered(current):
             return _off("no_tensor_filter", f"the installed {requested} cannot filter by name")
         return _off("not_instanttensor")
-    for part in _STREAMED[requested]:
+    else:
+        needed = _STREAMED[requested]
+    for part in needed:
         why = parts.part_off(part)
         if why is not None:
             return _off("part_skipped", f"{part}: {why}")
@@ -69,18 +78,24 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
     if not internals.pp_group().is_last_rank:
         return _off("not_last_pp_rank", "the draft is built on the last pipeline stage only")
     draft_call = calls.Call.resolve(
-        call.vllm_config, draft_config, internals.draft_load_config(call.vllm_config)
+        call.vllm_config,
+        draft_config,
+        internals.draft_load_config(call.vllm_config),
+        call.reload,
     )
     draft_request = draft_call.request()
     draft_decision = policy.decide(
-        draft_request, str(current.mode.value), loaders.handled_formats(current)
+        draft_request,
+        str(current.mode.value),
+        loaders.handled_formats(current),
+        reload=str(current.reload.value),
     )
     if not draft_decision.switched or not draft_request.reads_target_checkpoint:
         return _off("draft_not_switched", f"the draft's decision: {draft_decision.reason}")
     try:
         plan = draftplan.for_call(
             draft_call,
-            bool(current.skip_replaced.value),
+            draft_call.skips_replaced(bool(current.skip_replaced.value)),
             objectstore.Access.of(current),
             parts.part_off("runai_stream"),
         )
@@ -88,9 +103,15 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
         return _off("planning_failed", f"{type(exc).__name__}: {exc}")
     if plan is None or plan.is_unused is None or not plan.kept:
         return _off("no_plan", "the draft has no checkpoint-weight rule or keeps nothing")
-    tp = max(1, call.vllm_config.parallel_config.tensor_parallel_size)
-    limit = budget(setting, plan, stream_device(call, requested), tp)
-    made = hold.Hold.of(plan, draft_config, limit, expert_filter(draft_call), current)
+    # A reload's target is resident already: what is free now is what the hold may share.
+    tp = (
+        0
+        if call.reload is not None
+        else max(1, call.vllm_config.parallel_config.tensor_parallel_size)
+    )
+    device = draftplan.device_of(call) if stream else stream_device(call, requested)
+    limit = budget(setting, plan, device, tp)
+    made = hold.Hold.of(plan, draft_config, limit, expert_filter(draft_call), current, copy=stream)
     scope.holds.append(made)
     return Tap(made, made.report())
 
@@ -107,8 +128,9 @@ def stream_device(call: calls.Call, requested: str) -> object:
 
 def budget(setting: int, plan: DraftPlan, device: object, tensor_parallel_size: int) -> int:
     """Bytes one hold may take: the setting, capped at a quarter of what the target's share
-    of the checkpoint leaves free on ``device``."""
-    target_bytes = plan.all_bytes // max(1, tensor_parallel_size)
+    of the checkpoint (none where ``tensor_parallel_size`` is 0: a target already resident)
+    leaves free on ``device``."""
+    target_bytes = plan.all_bytes // tensor_parallel_size if tensor_parallel_size > 0 else 0
     return hold.effective_budget(setting, hold.free_memory(device), target_bytes)
 
 

@@ -102,6 +102,18 @@ def part_off(part: str) -> str | None:
     if part not in internals.LATE:
         return installed().capabilities.reason(part)
     off, _ = internals.late_part(part)
+    return _said(part, off)
+
+
+def reload_off(runner: str) -> tuple[str | None, str]:
+    """Why the ``reload`` part is off for the model runner class ``runner`` (None: on),
+    probed now and said off once per process and reason; and the label of the layout a
+    reload takes there."""
+    off, label = internals.reload_layout(runner)
+    return _said("reload", off), label
+
+
+def _said(part: str, off: internals.Off | None) -> str | None:
     if off is None:
         return None
     if _LATE_SAID.get(part) != off.reason:

@@ -88,12 +88,36 @@ def replaceable(model: Any, kinds: Iterable[str]) -> dict[str, str]:
         kind = kind_of_param(name)
         if kind is None or kind not in kinds:
             continue
-        owner = modules.get(name.rpartition(".")[0])
-        method = type(getattr(owner, "quant_method", None)).__name__
-        if getattr(owner, "quant_method", None) is not None and method not in _UNQUANTIZED:
+        if quantized(modules.get(name.rpartition(".")[0])):
             continue
         out[name] = kind
     return out
+
+
+def quantized(module: Any) -> bool:
+    """Whether ``module``'s parameters are processed by a quantization method (rather than
+    loaded as they are)."""
+    method = getattr(module, "quant_method", None)
+    return method is not None and type(method).__name__ not in _UNQUANTIZED
+
+
+def targets(draft: Any, target: Any) -> frozenset[str]:
+    """The kinds of the draft's replaceable modules that are the target's now, which a
+    reload of the target restores and the draft's reload never reads: each parameter of
+    that kind is the target's own (vLLM shared the module), or one of a quantized module
+    (vLLM's quantized copy of the target's unquantized head, which it derives anew from
+    the target's whenever the target's weights change)."""
+    theirs = {id(p) for p in target.parameters()}
+    modules = dict(draft.named_modules(remove_duplicate=False))
+    found: dict[str, bool] = {}
+    for name, param in draft.named_parameters(remove_duplicate=False):
+        kind = kind_of_param(name)
+        if kind is None:
+            continue
+        owner = modules.get(name.rpartition(".")[0])
+        shared = id(param) in theirs or quantized(owner)
+        found[kind] = found.get(kind, True) and shared
+    return frozenset(kind for kind, shared in found.items() if shared)
 
 
 def partial_load() -> contextlib.AbstractContextManager[Any]:

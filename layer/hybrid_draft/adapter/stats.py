@@ -15,7 +15,7 @@ from collections.abc import Callable, Generator
 from contextlib import suppress
 from typing import Any
 
-from hybrid_draft.core.figures import current, dropped, received, resolved
+from hybrid_draft.core.figures import current, dropped, observed, received, resolved
 
 #: The shard filters of vLLM's ``default_loader`` whose dropped files are never opened.
 FILE_FILTERS = (
@@ -28,16 +28,7 @@ _MARK = "__hybrid_draft_stats__"
 def _counting(get_all_weights: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(get_all_weights)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Generator[Any, None, None]:
-        stats = current()
-        if stats is not None and stats.tensors is None:
-            stats.tensors = 0
-        observe = stats.observe if stats is not None else None
-        for item in get_all_weights(self, *args, **kwargs):
-            if stats is not None:
-                stats.tensors = (stats.tensors or 0) + 1
-            if observe is not None:
-                observe(*item)
-            yield item
+        yield from observed(get_all_weights(self, *args, **kwargs))
 
     return wrapper
 

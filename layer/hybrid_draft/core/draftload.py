@@ -16,6 +16,7 @@ from typing import Any
 
 from hybrid_draft.core import checkpoint, planning
 from hybrid_draft.core.draftread import DraftRead
+from hybrid_draft.core.draftread import empty_sources as empty_sources
 from hybrid_draft.core.hold import nbytes
 from hybrid_draft.core.readers import Weights
 
@@ -50,11 +51,6 @@ def reads(read: DraftRead, skip: Callable[[str], bool] = lambda _name: False) ->
     from_hold = set(taking)
     selection = read.plan.selection(skip=lambda n: n in from_hold or skip(n), replaced=read.skipped)
     return Reads(taking, selection)
-
-
-def empty_sources() -> dict[str, dict[str, int]]:
-    """``sources`` before a load: nothing from anywhere yet."""
-    return {k: {"tensors": 0, "bytes": 0} for k in ("storage", "stream", "replaced_by_target")}
 
 
 def weights(read: DraftRead, planned: Reads, reader: Reader) -> Weights:

@@ -8,7 +8,7 @@ with :func:`current` when vLLM calls its ``load_weights``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -38,6 +38,24 @@ class DraftRead:
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
     #: The replaced tensors skipped, by name -> kind (after the built model was checked).
     skipped: dict[str, str] = field(default_factory=dict)
+
+    def skip(self, kinds: Iterable[str]) -> None:
+        """Skip the plan's replaced tensors of ``kinds`` (the built model's modules that are
+        the target's), counting them as ``replaced_by_target``."""
+        present = set(kinds)
+        if not self.sources:
+            self.sources = empty_sources()
+        self.skipped = {n: k for n, k in self.plan.replaced.items() if k in present}
+        sizes = {t.name: t.nbytes for t in self.plan.kept}
+        self.sources["replaced_by_target"] = {
+            "tensors": len(self.skipped),
+            "bytes": sum(sizes[n] for n in self.skipped),
+        }
+
+
+def empty_sources() -> dict[str, dict[str, int]]:
+    """``sources`` before a load: nothing from anywhere yet."""
+    return {k: {"tensors": 0, "bytes": 0} for k in ("storage", "stream", "replaced_by_target")}
 
 
 _READ: ContextVar[DraftRead | None] = ContextVar("hybrid_draft_draft_read", default=None)

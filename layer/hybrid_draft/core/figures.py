@@ -151,6 +151,21 @@ def retried(count: int) -> None:
 Observer = Callable[[str, Any], None]
 
 
+def observed(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """``weights`` as the model takes them: each counted as a tensor yielded in the current
+    load and shown to its observer (the one-pass tap), if any."""
+    stats = _CURRENT.get()
+    if stats is not None and stats.tensors is None:
+        stats.tensors = 0
+    observe = stats.observe if stats is not None else None
+    for item in weights:
+        if stats is not None:
+            stats.tensors = (stats.tensors or 0) + 1
+        if observe is not None:
+            observe(*item)
+        yield item
+
+
 def received(files: list[str], weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """``weights`` read from ``files``, counting the tensor bytes that came from object
     storage (:func:`fetched`)."""

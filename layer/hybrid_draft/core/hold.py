@@ -36,10 +36,13 @@ def nbytes(tensor: Any) -> int:
     return int(tensor.numel()) * int(tensor.element_size())
 
 
-def own(tensor: Any) -> Any:
+def own(tensor: Any, copy: bool = False) -> Any:
     """``tensor`` where it owns its memory, else a copy that does: a view into a larger
     buffer (a fastsafetensors shard's, a Run:ai ring slot's) would keep all of it alive for
-    as long as it is held."""
+    as long as it is held. With ``copy``, always a copy: a tensor of someone else's stream
+    (a reload's weights iterator) may be a buffer its producer fills again."""
+    if copy:
+        return tensor.detach().clone()
     try:
         shared = int(tensor.untyped_storage().nbytes()) > nbytes(tensor)
     except Exception:  # not a torch tensor's storage: held as it is
@@ -62,8 +65,9 @@ class Hold:
     #: The settings the target's load made this hold (and its plan) with; the draft's load
     #: compares its own (``drafting.held``).
     settings: Settings
-    #: Every tensor this rank's draft reads from it or storage (the ``one_pass`` report's
-    #: ``draft_tensors``/``draft_bytes``).
+    #: Every tensor this rank's draft reads from it or storage: their names, and (the
+    #: ``one_pass`` report's ``draft_tensors``/``draft_bytes``) how many and their bytes.
+    needed: frozenset[str] = frozenset()
     draft_tensors: int = 0
     draft_bytes: int = 0
     tensors: dict[str, Any] = field(default_factory=dict)
@@ -73,6 +77,8 @@ class Hold:
     taken_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
     released: bool = False
+    #: Whether every held tensor is a copy (:func:`own`): a reload's weights iterator.
+    copy: bool = False
     #: Whether the held tensors were checked against the versions the plan read.
     settled: bool = False
     #: The objects whose held tensors that check dropped, each with why.
@@ -86,9 +92,11 @@ class Hold:
         budget: int,
         skip: Callable[[str], bool],
         current: Settings,
+        copy: bool = False,
     ) -> Hold:
         """The hold for ``plan`` within ``budget``: what this rank's draft reads (not the
-        replaced tensors, not what ``skip`` says no to), in file order, while it fits."""
+        replaced tensors, not what ``skip`` says no to), in file order, while it fits;
+        ``copy``: every held tensor copied (:func:`own`)."""
         wanted = plan.reads(skip)
         return cls(
             plan=plan,
@@ -97,8 +105,10 @@ class Hold:
             budget=budget,
             sink=current.sink,
             settings=current,
+            needed=frozenset(t.name for t in wanted),
             draft_tensors=len(wanted),
             draft_bytes=sum(t.nbytes for t in wanted),
+            copy=copy,
         )
 
     def report(self) -> records.OnePass:
@@ -120,7 +130,7 @@ class Hold:
         size = nbytes(tensor)
         if self.held_bytes + size > self.budget:
             return
-        self.tensors[name] = own(tensor)
+        self.tensors[name] = own(tensor, self.copy)
         self.held_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 

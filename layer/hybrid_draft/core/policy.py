@@ -22,6 +22,15 @@ family's own filter, so it decides as ``auto``.
 
 A selective decision the adapter cannot carry out becomes ``selective_fallback`` (lazy
 safetensors) through :func:`fall_back`.
+
+A reload of weights already loaded (:class:`Reload`, the trigger of a model runner's
+``reload_weights``) is decided by the same rules, with the trigger as data: a draft whose
+target reloads is reloaded as it was loaded, unless the reload gives it nothing to read
+(:data:`NOT_RELOADED`: its reason says why, and the draft keeps its weights): the
+``reload`` setting is off, the target reloads from weights already in kernel format, or a
+draft with a checkpoint of its own sees its target reload from a new checkpoint or stream.
+A draft that reads its target's checkpoint takes its tensors from a reload's weights
+iterator (``reload_stream``).
 """
 
 from __future__ import annotations
@@ -55,6 +64,10 @@ FILTERED_BY_FAMILY = {
     RUNAI_STREAMER: RUNAI_FILTERED,
 }
 
+#: The ``chosen_format`` of a draft whose reload takes its tensors from the weights iterator
+#: the target's reload was given.
+WEIGHTS_ITERATOR = "weights_iterator"
+
 #: The draft's load format each mode aims for (what the compose smoke test expects).
 DRAFT_FORMAT_BY_MODE = {
     "auto": SAFETENSORS,
@@ -65,6 +78,15 @@ DRAFT_FORMAT_BY_MODE = {
 
 Role = Literal["target", "draft"]
 Action = Literal["kept", "switched"]
+
+#: The reasons of a reload's draft decision that reloads nothing: the draft keeps its weights.
+NOT_RELOADED = (
+    "reload_off",
+    "kernel_format",
+    "own_checkpoint_kept",
+    "no_draft_tensors",
+    "incomplete_stream",
+)
 
 #: Every ``reason`` a decision event can carry. ``layer_error`` is the adapter's: the layer
 #: itself failed on a call, which then loads exactly as vLLM would without it.
@@ -81,6 +103,8 @@ REASONS = (
     "layer_error",
     "no_plan",
     "no_tensor_filter",
+    "reload_stream",
+    *NOT_RELOADED,
 )
 
 
@@ -96,6 +120,19 @@ class Checkpoint:
     aliases: tuple[str, ...] = ()
 
 
+ReloadSource = Literal["checkpoint", "weights_path", "iterator"]
+
+
+@dataclass(frozen=True)
+class Reload:
+    """A reload in place of weights already loaded (vLLM's ``reload_weights``): where the
+    target's new weights come from (its checkpoint again, a new ``weights_path``, or a
+    weights iterator), and whether they are in checkpoint format."""
+
+    source: ReloadSource
+    checkpoint_format: bool = True
+
+
 @dataclass(frozen=True)
 class Request:
     """One ``get_model`` call as the policy sees it."""
@@ -107,6 +144,8 @@ class Request:
     #: The checkpoint this call loads, and (for a draft) the target's.
     model: Checkpoint | None = None
     target: Checkpoint | None = None
+    #: A reload's trigger (None: the model's first load).
+    reload: Reload | None = None
 
     @property
     def reads_target_checkpoint(self) -> bool:
@@ -167,21 +206,41 @@ def decide(
     mode: str,
     formats: tuple[str, ...] = TARGET_FORMATS,
     unfiltered: tuple[str, ...] = (),
+    reload: str = "auto",
 ) -> Decision:
     """The decision for one call under ``mode`` (one of settings.MODES), for a layer that
     handles the target formats ``formats``; ``unfiltered``: target formats whose installed
     library cannot filter by tensor name (a fastsafetensors before 0.5, a Run:ai Model
-    Streamer before 0.17)."""
+    Streamer before 0.17); ``reload``: the ``reload`` setting (settings.RELOADS)."""
     requested = request.requested_format
 
-    def kept(reason: str) -> Decision:
-        return Decision("kept", reason, requested, requested)
+    def kept(reason: str, detail: str | None = None) -> Decision:
+        return Decision("kept", reason, requested, requested, detail)
 
     def switched(reason: str, chosen: str = SAFETENSORS) -> Decision:
         return Decision("switched", reason, requested, chosen)
 
     if request.role == "target":
         return kept("target_model")
+    trigger = request.reload
+    if trigger is not None:
+        if reload == "off":
+            return kept("reload_off", "the reload setting is off: the draft keeps its weights")
+        if not trigger.checkpoint_format:
+            return kept(
+                "kernel_format",
+                "the target reloads weights already in kernel format, which hold nothing of "
+                "the draft's: the draft keeps its weights",
+            )
+        if not request.reads_target_checkpoint and trigger.source != "checkpoint":
+            whence = "a new checkpoint" if trigger.source == "weights_path" else "a weights stream"
+            return kept(
+                "own_checkpoint_kept",
+                f"the draft has a checkpoint of its own and the target reloads from {whence}: "
+                "the draft keeps its weights",
+            )
+        if trigger.source == "iterator":
+            return switched("reload_stream", WEIGHTS_ITERATOR)
     if requested not in formats or requested not in TARGET_FORMATS:
         explicit = request.explicit_draft_format
         if explicit == requested:
@@ -217,6 +276,12 @@ def unplanned(decision: Decision, detail: str) -> Decision:
     """A draft of a fastsafetensors or Run:ai target that cannot be read by its plan: left
     to its target's loader, as vLLM loads it (``no_plan``)."""
     return Decision("kept", "no_plan", decision.requested_format, decision.requested_format, detail)
+
+
+def not_reloaded(decision: Decision, reason: str, detail: str) -> Decision:
+    """A draft reload that finds nothing of the draft's to read (``reason``, one of
+    :data:`NOT_RELOADED`): the draft keeps its weights."""
+    return Decision("kept", reason, decision.requested_format, decision.requested_format, detail)
 
 
 def fall_back(decision: Decision, code: str, detail: str) -> Decision:

@@ -80,6 +80,15 @@ class PlannedDraftLoader(DefaultModelLoader):
 
     # -- the load ---------------------------------------------------------------------
 
+    def reload_weights(self, model: Any, model_config: ModelConfig, read: DraftRead) -> Weights:
+        """The draft's tensors for a reload in place (``adapter.reload``): read by its plan
+        as its first load reads them, other ranks' experts left out as vLLM's load sets
+        that up; ``read`` already skips what is the target's."""
+        self.draft = read
+        internals.init_ep_weight_filter(self, model, model_config)
+        weights: Weights = self.get_all_weights(model_config, model)
+        return weights
+
     def load_weights(self, model: Any, model_config: ModelConfig) -> None:
         self.draft = read = current()
         replaceable: dict[str, str] = {}
@@ -91,13 +100,7 @@ class PlannedDraftLoader(DefaultModelLoader):
                 model, read.pipeline_parallel_size, read.method, True
             )
             replaceable = sharing.replaceable(model, kinds)
-            present = set(replaceable.values())
-            read.skipped = {n: k for n, k in read.plan.replaced.items() if k in present}
-            sizes = {t.name: t.nbytes for t in read.plan.kept}
-            read.sources["replaced_by_target"] = {
-                "tensors": len(read.skipped),
-                "bytes": sum(sizes[n] for n in read.skipped),
-            }
+            read.skip(replaceable.values())
         real = model.load_weights
 
         def load_and_check(weights: Iterable[tuple[str, Any]]) -> Any:
