@@ -91,6 +91,21 @@ def test_object_storage_bounds(tmp_path: Path) -> None:
     assert s.fingerprint() == defaults.fingerprint() == "43ce3f8a6513"
 
 
+def test_the_reload_setting(tmp_path: Path) -> None:
+    s = load({}, '[draft]\nreload = "OFF"\n', tmp_path)
+    assert (s.reload.value, s.reload.source) == ("off", "file")
+    s = load({"HYBRID_DRAFT_RELOAD": " auto "}, '[draft]\nreload = "off"\n', tmp_path)
+    assert (s.reload.value, s.reload.source, s.reload.origin) == (
+        "auto",
+        "env",
+        "HYBRID_DRAFT_RELOAD",
+    )
+    # It changes what a reload decides: off is in the fingerprint; the default keeps the
+    # fingerprint of settings that do not name it.
+    assert s.fingerprint() == "43ce3f8a6513"
+    assert load({"HYBRID_DRAFT_RELOAD": "off"}, "", tmp_path).fingerprint() != s.fingerprint()
+
+
 def test_dotted_keys_and_comments(tmp_path: Path) -> None:
     s = load({}, '# comment\ndraft.mode = "safetensors"  # trailing\n', tmp_path)
     assert s.mode.origin.endswith(":2")
@@ -114,6 +129,7 @@ def test_dotted_keys_and_comments(tmp_path: Path) -> None:
             for bad in ("0", "-1", "nan", "inf", "3601", "10s", "")
             if bad
         ),
+        ({"HYBRID_DRAFT_RELOAD": "no"}, "HYBRID_DRAFT_RELOAD", "accepted values: auto, off"),
         *(
             (
                 {"HYBRID_DRAFT_OBJECT_RETRIES": bad},
@@ -143,8 +159,9 @@ def test_bad_environment_values(
             3,
             "unknown key 'draft.loader'; accepted keys: draft.mode, draft.hold_budget, "
             "draft.skip_replaced, log.level, log.events_file, draft.keep_formats, "
-            "object_storage.timeout, object_storage.retries",
+            "object_storage.timeout, object_storage.retries, draft.reload",
         ),
+        ('[draft]\nreload = "never"\n', 2, "accepted values: auto, off"),
         ("[object_storage]\ntimeout = true\n", 2, "accepted: a number of seconds above 0"),
         ("[object_storage]\nretries = 2.5\n", 2, "accepted: a whole number from 1 to 20"),
         ('[draft]\nmode = "auto"\n\n[cache]\nsize = 1\n', 4, "unknown key 'cache'"),
@@ -189,7 +206,7 @@ def test_shipped_config_documents_every_key_with_its_default() -> None:
     data = tomllib.loads(text)
     s = settings.load({"HYBRID_DRAFT_CONFIG": str(shipped)})
     assert data == {
-        "draft": {"mode": "auto", "hold_budget": "8GiB", "skip_replaced": True},
+        "draft": {"mode": "auto", "hold_budget": "8GiB", "skip_replaced": True, "reload": "auto"},
         "log": {"level": "info"},
         "object_storage": {"timeout": 10, "retries": 5},
     }

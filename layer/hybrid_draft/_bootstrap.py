@@ -29,9 +29,9 @@ HOOKS = {
     "vllm.model_executor.model_loader": "hybrid_draft.adapter.patch:on_model_loader",
     # The model runners' load_model: the scope a one-pass hold lives in; their
     # reload_weights: the draft reloaded with its target.
-    "vllm.v1.worker.gpu_model_runner": "hybrid_draft.adapter.loadscope:on_runner",
-    "vllm.v1.worker.cpu_model_runner": "hybrid_draft.adapter.loadscope:on_runner",
-    "vllm.v1.worker.gpu.model_runner": "hybrid_draft.adapter.loadscope:on_runner",
+    "vllm.v1.worker.gpu_model_runner": "hybrid_draft.adapter.runners:on_runner",
+    "vllm.v1.worker.cpu_model_runner": "hybrid_draft.adapter.runners:on_runner",
+    "vllm.v1.worker.gpu.model_runner": "hybrid_draft.adapter.runners:on_runner",
     "vllm.ray.ray_env": "hybrid_draft.adapter.ray_env:on_ray_env",
     "vllm.v1.executor.ray_env_utils": "hybrid_draft.adapter.ray_env:on_ray_env_utils",
 }

@@ -4,7 +4,7 @@ vLLM reloads a served model's weights in place with a model runner's ``reload_we
 (after a level-2 sleep's ``wake_up``, or with an RL step's new checkpoint or weight
 stream), and reloads the target only: the draft keeps what it had, which after a level-2
 sleep is whatever its freed memory holds. The layer wraps that method
-(``loadscope.wrap_reload``) and makes it two loads of ``load.run``, decided, planned, read
+(``runners.wrap_reload``) and makes it two loads of ``load.run``, decided, planned, read
 and reported as a first load is, with the trigger (``policy.Reload``) as data:
 
 1. the target: vLLM's own ``reload_weights``, unchanged; its stream (vLLM's loader of the
