@@ -365,6 +365,49 @@ def reload_weights(runner: Any, **kwargs: Any) -> None:
         runner.reload_weights(**kwargs)
 
 
+#: What a level-2 sleep leaves in a parameter it did not keep (any value will do: one that
+#: no checkpoint here holds).
+GARBAGE = 7.0
+
+
+def params(model: Any) -> dict[str, Any]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def own(runner: Any) -> dict[str, Any]:
+    """The draft's own parameters: not those it shares with the target, which the target's
+    reload restores."""
+    theirs = {id(p) for p in runner.get_model().parameters()}
+    draft = runner.get_draft_model()
+    return {n: p.detach().clone() for n, p in draft.named_parameters() if id(p) not in theirs}
+
+
+def storage(model: Any) -> dict[str, int]:
+    return {n: p.data_ptr() for n, p in model.named_parameters()}
+
+
+def garble(model: Any) -> None:
+    """Every parameter of ``model`` overwritten, as a level-2 sleep leaves it."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(GARBAGE)
+
+
+def differing(model: Any, expected: dict[str, Any]) -> list[str]:
+    """The parameters of ``model`` that differ from ``expected`` (by name)."""
+    import torch
+
+    found = params(model)
+    assert found.keys() == expected.keys()
+    return [n for n, t in found.items() if not torch.equal(t, expected[n])]
+
+
+def reloads(events: Events, event: str, role: str = "draft") -> list[dict[str, Any]]:
+    return [e for e in events.named(event) if e.get("trigger") == "reload" and e["role"] == role]
+
+
 class Recorder:
     """Calls of a weights iterator: its files (base names) and keyword arguments.
 
@@ -414,6 +457,60 @@ def instanttensor_standin(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(default_loader, "instanttensor_weights_iterator", standin)
     monkeypatch.setattr(weight_utils, "instanttensor_weights_iterator", standin)
+    return recorder
+
+
+def _fastsafetensors_read(files: list[str]) -> Iterator[tuple[str, Any]]:
+    """Every tensor of ``files`` read whole by fastsafetensors' own loader on the CPU."""
+    from fastsafetensors import SafeTensorsFileLoader
+    from fastsafetensors.common import SingleGroup
+
+    for path in sorted(files):
+        loader = SafeTensorsFileLoader(SingleGroup(), device="cpu", nogds=True, set_numa=False)
+        try:
+            loader.add_filenames({0: [path]})
+            buffer = loader.copy_files_to_device()
+            try:
+                for name in loader.get_keys():
+                    yield name, buffer.get_tensor(name)
+            finally:
+                buffer.close()
+        finally:
+            loader.close()
+
+
+@pytest.fixture
+def fastsafetensors_standin(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """vLLM's fastsafetensors iterator (it asks for a CUDA device) replaced by fastsafetensors'
+    own loader on the CPU; nothing else in vLLM is replaced."""
+    import vllm.model_executor.model_loader.default_loader as default_loader
+
+    recorder = Recorder()
+
+    def standin(hf_weights_files: list[str], use_tqdm_on_load: bool) -> Any:
+        recorder.calls.append({"files": sorted(Path(f).name for f in hf_weights_files)})
+        return _fastsafetensors_read(hf_weights_files)
+
+    monkeypatch.setattr(default_loader, "fastsafetensors_weights_iterator", standin)
+    return recorder
+
+
+@pytest.fixture
+def runai_requests(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Every read request Run:ai's streamer sends to its backend: file and bytes (a spy on
+    ``DistributedStreamer.stream_files``, which still serves them). Each shard's header is
+    two requests (its 8-byte length, then the header), then its tensors' ranges."""
+    from runai_model_streamer.distributed_streamer import DistributedStreamer
+
+    real = DistributedStreamer.stream_files
+    recorder = Recorder()
+
+    def spy(self: Any, requests: list[Any], *args: Any, **kwargs: Any) -> Any:
+        for r in requests:
+            recorder.calls.append({"file": Path(r.path).name, "bytes": sum(r.sizes)})
+        return real(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedStreamer, "stream_files", spy)
     return recorder
 
 

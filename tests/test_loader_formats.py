@@ -6,12 +6,10 @@ same tensors with fastsafetensors' own loader on the CPU; Run:ai's streamer runs
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from conftest import (
     QWEN35_REPLACED,
@@ -27,41 +25,6 @@ from hybrid_draft.core.checkpoint import read_checkpoint
 pytestmark = pytest.mark.vllm
 
 REPLACED = QWEN35_REPLACED
-
-
-def _fastsafetensors_read(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of ``files`` read whole by fastsafetensors' own loader on the CPU."""
-    from fastsafetensors import SafeTensorsFileLoader
-    from fastsafetensors.common import SingleGroup
-
-    for path in sorted(files):
-        loader = SafeTensorsFileLoader(SingleGroup(), device="cpu", nogds=True, set_numa=False)
-        try:
-            loader.add_filenames({0: [path]})
-            buffer = loader.copy_files_to_device()
-            try:
-                for name in loader.get_keys():
-                    yield name, buffer.get_tensor(name)
-            finally:
-                buffer.close()
-        finally:
-            loader.close()
-
-
-@pytest.fixture
-def fastsafetensors_standin(vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    """vLLM's fastsafetensors iterator (it asks for a CUDA device) replaced by fastsafetensors'
-    own loader on the CPU; nothing else in vLLM is replaced."""
-    import vllm.model_executor.model_loader.default_loader as default_loader
-
-    recorder = Recorder()
-
-    def standin(hf_weights_files: list[str], use_tqdm_on_load: bool) -> Any:
-        recorder.calls.append({"files": sorted(Path(f).name for f in hf_weights_files)})
-        return _fastsafetensors_read(hf_weights_files)
-
-    monkeypatch.setattr(default_loader, "fastsafetensors_weights_iterator", standin)
-    return recorder
 
 
 @pytest.fixture
@@ -145,25 +108,6 @@ def test_keep_formats_leaves_a_fastsafetensors_draft_untouched(
     assert len(fastsafetensors_standin.calls) == 2
     (target,) = events.decisions("target")
     assert target["one_pass"]["enabled"] is False
-
-
-@pytest.fixture
-def runai_requests(monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    """Every read request Run:ai's streamer sends to its backend: file and bytes (a spy on
-    ``DistributedStreamer.stream_files``, which still serves them). Each shard's header is
-    two requests (its 8-byte length, then the header), then its tensors' ranges."""
-    from runai_model_streamer.distributed_streamer import DistributedStreamer
-
-    real = DistributedStreamer.stream_files
-    recorder = Recorder()
-
-    def spy(self: Any, requests: list[Any], *args: Any, **kwargs: Any) -> Any:
-        for r in requests:
-            recorder.calls.append({"file": Path(r.path).name, "bytes": sum(r.sizes)})
-        return real(self, requests, *args, **kwargs)
-
-    monkeypatch.setattr(DistributedStreamer, "stream_files", spy)
-    return recorder
 
 
 def _header_bytes(shard: Path) -> int:

@@ -24,7 +24,13 @@ from conftest import (
     QWEN35_REPLACED,
     Events,
     assert_qwen35_draft_is_the_checkpoints,
+    differing,
     engine_config,
+    garble,
+    model_runner,
+    params,
+    reload_weights,
+    reloads,
     rule_keeps,
 )
 from hybrid_draft.core.checkpoint import read_checkpoint
@@ -193,6 +199,55 @@ def test_in_a_load_scope_the_draft_of_an_s3_target_transfers_nothing(
     # The target's load planned the draft and checked what it held once its stream ended.
     assert (target_load["retried"], draft_load["retried"]) == (0, None)
     assert_qwen35_draft_is_the_checkpoints(qwen35, draft)
+
+
+@pytest.mark.parametrize("budget", ["8GiB", "0"])
+def test_a_reload_from_s3_reloads_the_draft_from_the_targets_stream_or_its_own_tensors(
+    budget: str,
+    s3: S3Server,
+    s3_qwen35: str,
+    qwen35: Path,
+    events: Events,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's model runner reloads a Run:ai target from ``s3://`` (after a level-2 sleep,
+    say): with one pass the draft's reload sends no request of its own; with the hold off
+    it transfers its own tensors (and the headers of its plan)."""
+    monkeypatch.setenv("HYBRID_DRAFT_HOLD_BUDGET", budget)
+    runner = model_runner(engine_config(s3_qwen35, load_format="runai_streamer", config_dir=qwen35))
+    draft = runner.get_draft_model()
+    boot = params(draft)
+    own = rule_keeps(qwen35, draft) - REPLACED
+    garble(draft)
+    start = s3.mark()
+
+    reload_weights(runner)
+
+    assert differing(draft, boot) == []
+    shards = read_checkpoint(qwen35)
+    sizes = {t.name: t.nbytes for s in shards for t in s.tensors}
+    target_load = reloads(events, "hybrid_draft.loaded", "target")[0]
+    (draft_load,) = reloads(events, "hybrid_draft.loaded")
+    served = s3.bytes_by_key(since=start, bucket=BUCKET)
+    whole = sum(s.path.stat().st_size for s in shards)
+    headers = {s.path.name: _header_bytes(s.path) for s in shards}
+    assert target_load["network_bytes"] == sum(sizes.values())
+    if budget == "0":
+        # The target's stream; the draft's plan (each shard's header), then its own shards'
+        # headers and its own tensors (the streamer's read).
+        where = {t.name: s.path.name for s in shards for t in s.tensors}
+        mine = sum(headers[name] for name in {where[n] for n in own})
+        assert draft_load["network_bytes"] == sum(sizes[n] for n in own)
+        assert draft_load["sources"]["storage"]["bytes"] == sum(sizes[n] for n in own)
+        assert sum(served.values()) == (
+            whole + sum(headers.values()) + mine + sum(sizes[n] for n in own)
+        )
+    else:
+        # The target's stream, and the headers its tap planned the draft from (each shard's
+        # once); nothing of the draft's own.
+        assert draft_load["network_bytes"] is None
+        assert draft_load["sources"]["stream"]["bytes"] == sum(sizes[n] for n in own)
+        assert sum(served.values()) == whole + sum(headers.values())
 
 
 def _plan(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

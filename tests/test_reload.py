@@ -22,56 +22,25 @@ import pytest
 import torch
 
 from conftest import (
+    GARBAGE,
     Events,
     Recorder,
     checkpoint_tensors,
+    differing,
     draft_tensors,
     engine_config,
+    garble,
     load_target_and_draft,
     model_runner,
+    own,
+    params,
     reload_weights,
+    reloads,
+    storage,
 )
 from hybrid_draft.tools import synth
 
 pytestmark = pytest.mark.vllm
-
-#: What a level-2 sleep leaves in a parameter it did not keep (any value will do: one that
-#: no checkpoint here holds).
-GARBAGE = 7.0
-
-
-def params(model: Any) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def own(runner: Any) -> dict[str, torch.Tensor]:
-    """The draft's own parameters: not those it shares with the target, which the target's
-    reload restores."""
-    theirs = {id(p) for p in runner.get_model().parameters()}
-    draft = runner.get_draft_model()
-    return {n: p.detach().clone() for n, p in draft.named_parameters() if id(p) not in theirs}
-
-
-def storage(model: Any) -> dict[str, int]:
-    return {n: p.data_ptr() for n, p in model.named_parameters()}
-
-
-@torch.no_grad()
-def garble(model: Any) -> None:
-    """Every parameter of ``model`` overwritten, as a level-2 sleep leaves it."""
-    for param in model.parameters():
-        param.fill_(GARBAGE)
-
-
-def differing(model: Any, expected: dict[str, torch.Tensor]) -> list[str]:
-    """The parameters of ``model`` that differ from ``expected`` (by name)."""
-    found = params(model)
-    assert found.keys() == expected.keys()
-    return [n for n, t in found.items() if not torch.equal(t, expected[n])]
-
-
-def reloads(events: Events, event: str, role: str = "draft") -> list[dict[str, Any]]:
-    return [e for e in events.named(event) if e.get("trigger") == "reload" and e["role"] == role]
 
 
 def boot_draft(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -365,3 +334,122 @@ def test_a_draft_with_a_checkpoint_of_its_own(
     assert (first["action"], first["reason"]) == ("kept", "different_checkpoint")
     assert (second["reason"], second["level"]) == ("own_checkpoint_kept", "warning")
     assert [e["reload_source"] for e in reloads(events, "hybrid_draft.loaded")] == ["checkpoint"]
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "weights_path"])
+@pytest.mark.parametrize("load_format", ["safetensors", "fastsafetensors", "runai_streamer"])
+def test_every_target_format(
+    load_format: str,
+    source: str,
+    deepseek: Path,
+    step2: Path,
+    events: Events,
+    request: pytest.FixtureRequest,
+    vllm_runtime: Any,
+) -> None:
+    """A fastsafetensors or Run:ai target's reload stream carries the draft's tensors (one
+    pass); a plain safetensors target's draft is reloaded as vLLM loads it, from its own
+    shards. vLLM's fastsafetensors iterator (CUDA only) is the only stand-in."""
+    if load_format == "fastsafetensors":
+        request.getfixturevalue("fastsafetensors_standin")
+    requests: Recorder = request.getfixturevalue("runai_requests")
+    checkpoint = step2 if source == "weights_path" else deepseek
+    expected = boot_draft(checkpoint)
+    runner = model_runner(engine_config(deepseek, load_format=load_format))
+    draft = runner.get_draft_model()
+    own = draft_tensors(deepseek, draft)
+    garble(draft)
+    first = len(requests.calls)
+
+    if source == "weights_path":
+        reload_weights(runner, weights_path=str(step2))
+    else:
+        reload_weights(runner)
+
+    assert differing(draft, expected) == []
+    (decision,) = [d for d in events.decisions("draft") if d["trigger"] == "reload"]
+    (loaded,) = reloads(events, "hybrid_draft.loaded")
+    if load_format == "safetensors":  # a format the layer leaves to vLLM
+        assert (decision["action"], decision["reason"]) == ("kept", "not_instanttensor")
+        assert "sources" not in loaded
+        return
+    assert (decision["action"], decision["chosen_format"]) == ("switched", load_format)
+    assert loaded["sources"]["storage"] == {"tensors": 0, "bytes": 0}
+    assert loaded["sources"]["stream"] == {"tensors": len(own), "bytes": sum(own.values())}
+    if load_format == "runai_streamer":  # the target's requests only: each shard whole, once
+        shards = sorted(checkpoint.glob("*.safetensors"))
+        served = requests.calls[first:]
+        assert len(served) == 3 * len(shards)
+        assert sum(c["bytes"] for c in served) == sum(s.stat().st_size for s in shards)
+
+
+def test_a_failed_draft_read_fails_the_reload_naming_the_shard(
+    deepseek: Path,
+    tmp_path: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The MTP layer's shard is cut short as the draft's reader opens it, after the
+    target's reload read it whole (the hold off): the call fails, in one line naming it."""
+    from hybrid_draft.core import shardread
+
+    monkeypatch.setenv("HYBRID_DRAFT_HOLD_BUDGET", "0")
+    model_dir = tmp_path / "deepseek"
+    shutil.copytree(deepseek, model_dir)
+    runner = model_runner(engine_config(model_dir))
+    real = shardread.read_shard
+
+    def cut_short(path: str, *args: Any, **kwargs: Any) -> Any:
+        shard = Path(path)
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shardread, "read_shard", cut_short)
+
+    with pytest.raises(shardread.ShardChanged) as failure:
+        reload_weights(runner)
+
+    message = str(failure.value)
+    assert str(model_dir) in message and "it changed since" in message and "\n" not in message
+    assert len(reloads(events, "hybrid_draft.loaded", "target")) == 1
+    (failed,) = reloads(events, "hybrid_draft.load_failed")
+    assert failed["error_type"] == "ShardChanged" and failed["error"] == message
+
+
+def test_a_vllm_whose_reload_has_another_shape_reloads_the_target_alone(
+    deepseek: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's reload steps with another shape (a parameter list the layer cannot call them
+    by; vLLM's own calls still fit): the ``reload`` part is off, said once with
+    ``part_skipped``, and vLLM reloads the target alone, as it would without the layer."""
+    import importlib
+
+    names = {
+        "vllm.model_executor.model_loader.reload.layerwise": "finalize_layerwise_processing",
+        "vllm.model_executor.model_loader.reload.lifecycle": "finish_reload",
+    }
+    for module_name, attr in names.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:  # 0.33 has no lifecycle
+            continue
+        real = getattr(module, attr)
+
+        def reshaped(model: Any, *rest: Any, _real: Any = real) -> Any:
+            return _real(model, *rest)
+
+        monkeypatch.setattr(module, attr, reshaped)
+    runner = model_runner(engine_config(deepseek))
+    garble(runner.get_draft_model())
+
+    reload_weights(runner)
+
+    left = own(runner)
+    assert left and all(bool((t == GARBAGE).all()) for t in left.values())
+    (skipped,) = [e for e in events.named("hybrid_draft.part_skipped") if e["part"] == "reload"]
+    assert "finalize_layerwise_processing is (model, *rest, _real=" in skipped["reason"]
+    assert [e for e in events.all() if e.get("trigger") == "reload"] == []
