@@ -453,3 +453,55 @@ def test_a_vllm_whose_reload_has_another_shape_reloads_the_target_alone(
     (skipped,) = [e for e in events.named("hybrid_draft.part_skipped") if e["part"] == "reload"]
     assert "finalize_layerwise_processing is (model, *rest, _real=" in skipped["reason"]
     assert [e for e in events.all() if e.get("trigger") == "reload"] == []
+
+
+def test_report_shows_each_reload_and_what_its_draft_kept(
+    deepseek: Path,
+    without_mtp: Path,
+    events: Events,
+    instanttensor_standin: Recorder,
+) -> None:
+    """A server's events file after a first load, a reload from the same checkpoint and one
+    from a checkpoint without the draft's tensors: ``report`` pairs each draft with its own
+    target's reload and lists the reload that left the draft's weights as they were."""
+    import subprocess
+    import sys
+
+    runner = model_runner(engine_config(deepseek))
+    reload_weights(runner)
+    reload_weights(runner, weights_path=str(without_mtp))
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hybrid_draft", "report", str(events.path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    (proc,) = json.loads(out.stdout)["processes"]
+    rows = [(r["role"], r["trigger"], r["reload_source"], r["reason"]) for r in proc["loads"]]
+    assert rows == [
+        ("target", "load", None, "target_model"),
+        ("draft", "load", None, "same_checkpoint"),
+        ("target", "reload", "checkpoint", "target_model"),
+        ("draft", "reload", "checkpoint", "same_checkpoint"),
+        ("target", "reload", "weights_path", "target_model"),
+    ]
+    target_reload, draft_reload = proc["loads"][2:4]
+    saved = draft_reload["vs_full_pass"]
+    assert saved["full_pass_seconds"] == target_reload["seconds"]
+    assert saved["bytes_read"] == 0  # from the target's reload stream
+    (kept,) = proc["not_reloaded"]
+    assert (kept["role"], kept["reason"], kept["reload_source"]) == (
+        "draft",
+        "no_draft_tensors",
+        "weights_path",
+    )
+    text = subprocess.run(
+        [sys.executable, "-m", "hybrid_draft", "report", str(events.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "draft (reload: checkpoint)" in text
+    assert "reload (weights_path): the draft kept its weights (no_draft_tensors): " in text

@@ -7,7 +7,10 @@ worker per rank). Each ``get_model`` call left a ``hybrid_draft.decision`` and t
 paired in order per process. A second full pass would read every byte of the checkpoint
 (``checkpoint_bytes``) and, being the same read as the target's, take about as long as the
 target's load in that process: the savings are measured against those two figures.
-Decisions that carry a ``rank`` are also compared across ranks (:func:`inconsistent`).
+Decisions that carry a ``rank`` are also compared across ranks (:func:`inconsistent`). A
+reload of the weights in place (``trigger: "reload"``) is a load like the others, its draft
+compared with its own target's reload; a reload's draft decision that reloaded nothing (the
+draft kept its weights) is listed with its reason.
 ``smoke`` prints the same summary. A field of the wrong type (a list ``pid``, a string
 ``seconds``, a byte count that is not a number) reads as unknown (``?``, or null in
 ``--json``) rather than failing; the file is read as a stream, a regular file of at most
@@ -22,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from hybrid_draft import files
+from hybrid_draft.core import policy
 
 #: The largest events file read (a server writes a few dozen lines per start).
 EVENTS_LIMIT = 256 << 20
@@ -42,7 +46,16 @@ NUMBERS = (
     "checkpoint_bytes",
 )
 
-LOAD_KEYS = ("role", "model", "load_format", "tensor_filter", *NUMBERS, *OBJECTS)
+LOAD_KEYS = (
+    "role",
+    "model",
+    "load_format",
+    "tensor_filter",
+    "trigger",
+    "reload_source",
+    *NUMBERS,
+    *OBJECTS,
+)
 
 
 #: Where a draft's tensors came from (``sources`` of its ``loaded`` event), in words.
@@ -148,6 +161,16 @@ def _savings(draft: dict[str, Any], target: dict[str, Any] | None) -> dict[str, 
     return out
 
 
+def _kept_weights(e: dict[str, Any]) -> bool:
+    """A reload's draft decision that left the draft's weights as they were (no ``loaded``
+    event follows it)."""
+    return (
+        e.get("trigger") == "reload"
+        and e.get("role") == "draft"
+        and e.get("reason") in policy.NOT_RELOADED
+    )
+
+
 #: What ranks of one server must agree on, per model and role.
 AGREED = ("chosen_format", "action", "reason", "settings_fingerprint")
 
@@ -218,14 +241,31 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     events = list(events)
     processes: dict[Any, dict[str, Any]] = {}
     pending: dict[Any, dict[str, Any]] = {}
+
+    def process(pid: Any) -> dict[str, Any]:
+        return processes.setdefault(
+            pid, {"pid": pid, "loads": [], "failures": [], "not_reloaded": []}
+        )
+
     for e in events:
         kind, pid = e.get("event"), _pid(e.get("pid"))
         if kind == "hybrid_draft.decision":
+            if _kept_weights(e):  # a reload that reloaded nothing: no loaded event follows
+                process(pid)["not_reloaded"].append(
+                    {
+                        "role": _text(e.get("role")),
+                        "model": _text(e.get("model")),
+                        "reload_source": _text(e.get("reload_source")),
+                        "reason": _text(e.get("reason")),
+                        "detail": _text(e.get("detail")),
+                    }
+                )
+                continue
             pending[pid] = e
             continue
         if kind not in ("hybrid_draft.loaded", "hybrid_draft.load_failed"):
             continue
-        proc = processes.setdefault(pid, {"pid": pid, "loads": [], "failures": []})
+        proc = process(pid)
         row = _row(e)
         decision = pending.pop(pid, None)
         if decision is not None and _text(decision.get("role")) == row["role"]:
@@ -241,9 +281,11 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 {**row, "error_type": _text(e.get("error_type")), "error": _text(e.get("error"))}
             )
     for proc in processes.values():
-        target = next((r for r in proc["loads"] if r["role"] == "target"), None)
+        target = None  # each draft against the target load before it (a reload's, its own)
         for row in proc["loads"]:
-            if row["role"] == "draft":
+            if row["role"] == "target":
+                target = row
+            elif row["role"] == "draft":
                 row["vs_full_pass"] = _savings(row, target)
     return {
         "processes": list(processes.values()),
@@ -309,6 +351,9 @@ def render(summary: dict[str, Any]) -> str:
         rows = []
         for row in proc["loads"][:SHOWN]:
             fmt = row["load_format"] or "?"
+            role = row["role"] or "?"
+            if row.get("trigger") == "reload":
+                role += f" (reload: {row.get('reload_source') or '?'})"
             if row.get("tensor_filter"):
                 fmt += " (filtered)"
             shards = (
@@ -319,7 +364,7 @@ def render(summary: dict[str, Any]) -> str:
             decision = f"{row.get('action')} ({row.get('reason')})" if row.get("reason") else ""
             rows.append(
                 [
-                    row["role"] or "?",
+                    role,
                     fmt,
                     _num(row["seconds"], "{:.2f}"),
                     _bytes(row["bytes_read"])
@@ -361,6 +406,11 @@ def render(summary: dict[str, Any]) -> str:
                     f"{s['full_pass_seconds']:.2f} s ({s['seconds_saved']:+.2f} s saved)"
                 )
             lines.append(text)
+        for row in proc["not_reloaded"][:SHOWN]:
+            lines.append(
+                f"  reload ({row['reload_source'] or '?'}): the {row['role'] or '?'} kept its "
+                f"weights ({row['reason']}): {files.one_line(str(row['detail']), 2000)}"
+            )
         for row in proc["failures"][:SHOWN]:
             lines.append(
                 f"  FAILED {row['role'] or '?'} load ({row['load_format']}) after "

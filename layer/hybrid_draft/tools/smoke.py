@@ -332,7 +332,13 @@ def check_loads(events: list[dict[str, Any]], scope: str = "in the events file")
 def check_events(
     events: list[dict[str, Any]], mode: str, scope: str = "in the events file"
 ) -> list[Result]:
-    decisions = [e for e in events if e.get("event") == "hybrid_draft.decision"]
+    # The server's first loads (a reload of its weights in place decides again, by its own
+    # trigger: not what the mode's first load is judged by).
+    decisions = [
+        e
+        for e in events
+        if e.get("event") == "hybrid_draft.decision" and e.get("trigger") != "reload"
+    ]
     targets = [e for e in decisions if e.get("role") == "target"]
     drafts = [e for e in decisions if e.get("role") == "draft"]
     kept = [
