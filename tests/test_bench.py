@@ -113,6 +113,18 @@ def test_bench_at_a_tiny_scale(tmp_path: Path) -> None:
         assert strategies[filtered]["bytes_read"] < strategies[stock]["bytes_read"] / 2, filtered
     assert "nogds" in strategies["fastsafetensors_stock"]["ran"]  # vLLM's iterator stood in
     assert not any("network_bytes" in s for s in strategies.values())  # no object storage
+    # A reload in place: what each strategy's draft adds to the target's own reload.
+    reload = result["reload"]
+    assert list(reload) == list(STRATEGIES)
+    assert reload["full_pass"]["added_bytes"] == full["bytes_read"]
+    assert reload["auto"]["added_bytes"] == auto["bytes_read"]
+    assert reload["auto"]["vs_full_pass_bytes"] == auto["bytes_read"] / full["bytes_read"]
+    for name in ONE_PASS:
+        one = strategies[name]
+        tap = one["median_target_seconds"] - one["median_untapped_target_seconds"]
+        assert reload[name]["added_seconds"] == one["draft_seconds"] + tap, name
+        assert reload[name]["added_bytes"] == one["draft_bytes_read"], name
+    assert "a reload in place: what the draft adds to the target's own reload" in proc.stdout
 
     startup = result["startup"]
     assert startup["python_c_pass"]["runs"] == 3

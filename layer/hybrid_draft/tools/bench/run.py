@@ -391,6 +391,53 @@ def _ratios(
         s["full_pass_speedup"] = full / t if full and t else None
 
 
+def reload_costs(strategies: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What each strategy adds to the target's own reload in place (vLLM's
+    ``reload_weights``, after a level-2 sleep or with a new checkpoint): a draft's reload
+    reads what its first load reads, by the same code (``core/draftload`` through the same
+    loader), so a strategy's draft load is also what its reload adds; a one-pass strategy
+    adds its draft's load and its tap's cost on the target's pass. ``full_pass`` is what a
+    reload of the draft through the target's load format (a second pass) adds. Each row:
+    ``added_seconds``, ``added_bytes`` (from storage; for a strategy against object storage,
+    over the wire) and their shares of ``full_pass``'s."""
+    full = strategies.get("full_pass")
+    out: dict[str, dict[str, Any]] = {}
+    for name, s in strategies.items():
+        i = _median_run(s)
+        seconds = s["median_seconds"]
+        if "tap_overhead" in s:
+            seconds += s["median_target_seconds"] - s["median_untapped_target_seconds"]
+        moved = s["network_bytes"][i] if "network_bytes" in s else s["bytes_read"]
+        row: dict[str, Any] = {"added_seconds": seconds, "added_bytes": moved}
+        if full is not None and name != "full_pass":
+            row["vs_full_pass_seconds"] = (
+                seconds / full["median_seconds"] if full["median_seconds"] else None
+            )
+            row["vs_full_pass_bytes"] = moved / full["bytes_read"] if full["bytes_read"] else None
+        out[name] = row
+    return out
+
+
+def reload_table(result: dict[str, Any]) -> str:
+    from hybrid_draft.tools import tables
+
+    columns = [("strategy", "left"), ("added s", "right"), ("added bytes", "right")]
+    columns += [("s / full pass", "right"), ("bytes / full pass", "right")]
+    rows = []
+    for name, r in result["reload"].items():
+        share_s, share_b = r.get("vs_full_pass_seconds"), r.get("vs_full_pass_bytes")
+        rows.append(
+            [
+                name,
+                f"{r['added_seconds']:+.3f}",
+                _fmt_bytes(r["added_bytes"]),
+                f"{share_s:.1%}" if share_s is not None else "-",
+                f"{share_b:.1%}" if share_b is not None else "-",
+            ]
+        )
+    return tables.render(columns, rows)
+
+
 def _fmt_bytes(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 4 else f"{n / (1 << 20):.1f} MiB"
 
@@ -734,6 +781,7 @@ def _main(args: argparse.Namespace) -> int:
         result[key][name] = summarize(raw)
     for key in ("strategies", "gpu_strategies"):
         _ratios(result[key], result["strategies"], "limit", "full_pass")
+    result["reload"] = reload_costs(result["strategies"])
     if not result["gpu_strategies"]:
         del result["gpu_strategies"]
     if failed:
@@ -774,6 +822,12 @@ def print_report(result: dict[str, Any]) -> None:
     if result.get("gpu_strategies"):
         print("\nstock InstantTensor (CUDA), cold page cache, median of", result["runs"], "runs:")
         print(table(result, "gpu_strategies"))
+    if result.get("reload"):
+        print(
+            "\na reload in place: what the draft adds to the target's own reload (its draft's "
+            "load; one pass: with the tap's cost), against a second full pass:"
+        )
+        print(reload_table(result))
     for name, s in (result.get("strategies") or {}).items():
         if "network_bytes" in s:
             i = _median_run(s)
