@@ -27,6 +27,7 @@ from conftest import (
     differing,
     engine_config,
     garble,
+    load_target_and_draft,
     model_runner,
     params,
     reload_weights,
@@ -248,6 +249,43 @@ def test_a_reload_from_s3_reloads_the_draft_from_the_targets_stream_or_its_own_t
         assert draft_load["network_bytes"] is None
         assert draft_load["sources"]["stream"]["bytes"] == sum(sizes[n] for n in own)
         assert sum(served.values()) == whole + sum(headers.values())
+
+
+def test_a_reload_from_a_new_s3_checkpoint_reloads_the_draft_from_it(
+    s3: S3Server,
+    s3_qwen35: str,
+    qwen35: Path,
+    tmp_path: Path,
+    events: Events,
+) -> None:
+    """``reload_weights(weights_path=s3://...)``, a training step's checkpoint uploaded
+    beside the first: the draft holds the new step's values, taken from the target's
+    stream of it."""
+    from hybrid_draft.tools import synth
+
+    step2 = tmp_path / "qwen35-step2"
+    layout = synth.qwen3_5("tiny")
+    synth.write_checkpoint(
+        step2, layout, synth.shard(layout, num_shards=3, mtp_own_shard=True), seed=2
+    )
+    uri = s3.upload_dir(step2, BUCKET, f"step2-{uuid.uuid4().hex[:8]}")
+    expected = params(
+        load_target_and_draft(
+            engine_config(uri, load_format="runai_streamer", config_dir=step2)
+        ).draft
+    )
+    runner = model_runner(engine_config(s3_qwen35, load_format="runai_streamer", config_dir=qwen35))
+    draft = runner.get_draft_model()
+    garble(draft)
+
+    reload_weights(runner, weights_path=uri)
+
+    assert differing(draft, expected) == []
+    (decision,) = [d for d in events.decisions("draft") if d["trigger"] == "reload"]
+    assert (decision["reason"], decision["model"]) == ("same_checkpoint", uri)
+    (load,) = reloads(events, "hybrid_draft.loaded")
+    assert load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
+    assert load["network_bytes"] is None
 
 
 def _plan(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

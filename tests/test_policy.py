@@ -131,3 +131,39 @@ def test_policy_imports_no_vllm() -> None:
         env={**os.environ, "HYBRID_DRAFT_DISABLE": "1"},
     )
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("source", "same", "setting", "checkpoint_format", "expected"),
+    [
+        # A reload from the checkpoint decides as a first load does.
+        ("checkpoint", True, "auto", True, ("switched", "same_checkpoint", "safetensors")),
+        ("checkpoint", False, "auto", True, ("kept", "different_checkpoint", "instanttensor")),
+        ("weights_path", True, "auto", True, ("switched", "same_checkpoint", "safetensors")),
+        # A draft with a checkpoint of its own keeps its weights when the target moves on.
+        ("weights_path", False, "auto", True, ("kept", "own_checkpoint_kept", "instanttensor")),
+        ("iterator", False, "auto", True, ("kept", "own_checkpoint_kept", "instanttensor")),
+        # The draft of the target's checkpoint takes its tensors from the reload's stream.
+        ("iterator", True, "auto", True, ("switched", "reload_stream", "weights_iterator")),
+        ("iterator", True, "auto", False, ("kept", "kernel_format", "instanttensor")),
+        ("checkpoint", True, "auto", False, ("kept", "kernel_format", "instanttensor")),
+        ("checkpoint", True, "off", True, ("kept", "reload_off", "instanttensor")),
+        ("iterator", True, "off", True, ("kept", "reload_off", "instanttensor")),
+    ],
+)
+def test_a_reloads_draft(
+    source: policy.ReloadSource,
+    same: bool,
+    setting: str,
+    checkpoint_format: bool,
+    expected: tuple[str, str, str],
+) -> None:
+    request = draft(target="org/m" if same else "org/other")
+    reload = Request(**{**vars(request), "trigger": policy.Reload(source, checkpoint_format)})
+    d = policy.decide(reload, "auto", reload_setting=setting)
+    assert (d.action, d.reason, d.chosen_format) == expected
+    if d.reason in policy.NOT_RELOADED:
+        assert d.detail and d.detail.endswith("the draft keeps its weights")
+    # The target's reload is never switched, whatever the setting.
+    target = Request(role="target", requested_format="instanttensor", trigger=reload.trigger)
+    assert policy.decide(target, "auto", reload_setting=setting).reason == "target_model"

@@ -25,6 +25,7 @@ import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 from hybrid_draft import files
@@ -64,6 +65,11 @@ SOURCES = ("env", "file", "default")
 #: file is often a per-host path), so ranks that load alike keep one fingerprint. It covers
 #: ``keep_formats`` and ``reload`` too, when set to other than their defaults.
 DECISION_SETTINGS = ("mode", "hold_budget", "skip_replaced")
+#: The settings the fingerprint covers only where they are not these defaults: the
+#: fingerprints of settings that do not name them stay what earlier releases gave.
+DECISION_SETTINGS_IF_SET: Mapping[str, Any] = MappingProxyType(
+    {"keep_formats": (), "reload": "auto"}
+)
 
 #: What the target's InstantTensor pass may keep in memory for the draft (docs/design.md).
 DEFAULT_HOLD_BUDGET = 8 << 30
@@ -164,12 +170,10 @@ class Settings:
         """A short hash of the values in :data:`DECISION_SETTINGS`: equal on every rank and
         host whose settings load alike, whichever source each value came from."""
         values = {name: getattr(self, name).value for name in DECISION_SETTINGS}
-        # Each only where it is not its default, which keeps the fingerprints of earlier
-        # releases of the layer.
-        if self.keep_formats.value:
-            values["keep_formats"] = list(self.keep_formats.value)
-        if self.reload.value != "auto":
-            values["reload"] = self.reload.value
+        for name, default in DECISION_SETTINGS_IF_SET.items():
+            value = getattr(self, name).value
+            if value != default:
+                values[name] = list(value) if isinstance(value, tuple) else value
         data = json.dumps(values, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(data.encode()).hexdigest()[:12]
 

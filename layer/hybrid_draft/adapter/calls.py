@@ -28,8 +28,8 @@ class Call:
     model_config: ModelConfig
     load_config: LoadConfig
     speculative_config: SpeculativeConfig | None
-    #: A reload's trigger (None: the model's first load).
-    reload: policy.Reload | None = None
+    #: What a reload in place reloads from (None: the model's first load).
+    trigger: policy.Reload | None = None
 
     @classmethod
     def resolve(
@@ -37,14 +37,14 @@ class Call:
         vllm_config: VllmConfig,
         model_config: ModelConfig | None = None,
         load_config: LoadConfig | None = None,
-        reload: policy.Reload | None = None,
+        trigger: policy.Reload | None = None,
     ) -> Call:
         return cls(
             vllm_config=vllm_config,
             model_config=model_config if model_config is not None else vllm_config.model_config,
             load_config=load_config if load_config is not None else vllm_config.load_config,
             speculative_config=getattr(vllm_config, "speculative_config", None),
-            reload=reload,
+            trigger=trigger,
         )
 
     @property
@@ -68,7 +68,7 @@ class Call:
         """Whether the draft's plan leaves out what vLLM replaces with the target's: the
         ``skip_replaced`` ``setting`` at a first load; always at a reload, where those
         parameters are the target's own, which the target's reload has just restored."""
-        return self.reload is not None or setting
+        return self.trigger is not None or setting
 
     def request(self) -> policy.Request:
         spec = self.speculative_config
@@ -83,7 +83,7 @@ class Call:
             ),
             model=checkpoint_of(self.model_config),
             target=checkpoint_of(self.target_model_config) if role == "draft" else None,
-            reload=self.reload,
+            trigger=self.trigger,
         )
 
 

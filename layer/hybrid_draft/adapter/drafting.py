@@ -199,7 +199,7 @@ def draft(
             assert plan is not None
             selection = plan.selection().summary()
     ours = plan is not None and plan.is_unused is not None and loaders_off is None
-    if request.reload is not None and decision.reason not in policy.NOT_RELOADED:
+    if request.trigger is not None and decision.reason not in policy.NOT_RELOADED:
         decision = reload_check(decision, plan if same else None, found.hold, ours, call)
     load_config: LoadConfig | None = None
     reads = False

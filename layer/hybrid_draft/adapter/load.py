@@ -76,8 +76,8 @@ class Load:
     route: drafting.Route | None = None
     #: Why the layer could not decide (``reason: layer_error``), letting vLLM load as asked.
     fault: str | None = None
-    #: A reload's trigger (None: the model's first load).
-    reload: policy.Reload | None = None
+    #: What a reload in place reloads from (None: the model's first load).
+    trigger: policy.Reload | None = None
 
     @property
     def sink(self) -> Sink:
@@ -114,18 +114,17 @@ class Load:
         return self.target.hold if self.target is not None else None
 
     @property
-    def trigger(self) -> str:
-        return "load" if self.reload is None else "reload"
-
-    @property
-    def reload_source(self) -> str | records.Absent:
-        return self.reload.source if self.reload is not None else ABSENT
+    def occasion(self) -> dict[str, Any]:
+        """The events' ``trigger`` and ``reload_source``."""
+        if self.trigger is None:
+            return {"trigger": "load"}
+        return {"trigger": "reload", "reload_source": self.trigger.source}
 
     @property
     def reloads_nothing(self) -> bool:
         """A reload's draft that keeps its weights: its decision says so, or the layer could
         not decide it (vLLM itself reloads no draft)."""
-        if self.reload is None or self.role != "draft":
+        if self.trigger is None or self.role != "draft":
             return False
         return self.decision is None or self.decision.reason in policy.NOT_RELOADED
 
@@ -145,9 +144,8 @@ class Load:
                 detail=self.fault or "the layer could not decide this load",
                 model=self.model,
                 revision=None,
-                trigger=self.trigger,
-                reload_source=self.reload_source,
                 where=self.where,
+                **self.occasion,
             )
         model, target = request.model, request.target
         draft, route = self.draft, self.route
@@ -171,8 +169,7 @@ class Load:
             revision=model.revision if model is not None else None,
             target_model=target.model if target is not None else ABSENT,
             target_revision=target.revision if target is not None else ABSENT,
-            trigger=self.trigger,
-            reload_source=self.reload_source,
+            **self.occasion,
             one_pass=self.target.report if self.target is not None else ABSENT,
             pruning_rule=draft.pruning_rule if draft is not None else ABSENT,
             rule_error=draft.rule_error if draft is not None else ABSENT,
@@ -203,8 +200,7 @@ class Load:
             model=self.model,
             load_format=self.load_format,
             tensor_filter=read is not None,
-            trigger=self.trigger,
-            reload_source=self.reload_source,
+            **self.occasion,
             cost=cost,
             where=self.where,
             sources=read.sources if read is not None and read.sources else ABSENT,
@@ -236,7 +232,7 @@ def decide(call: calls.Call, request: policy.Request, current: settings.Settings
         str(current.mode.value),
         loaders.handled_formats(current),
         loaders.unfiltered(current),
-        str(current.reload.value),
+        reload_setting=str(current.reload.value),
     )
     scope = loadscope.current()
     target = draft = None
@@ -267,7 +263,7 @@ def decide(call: calls.Call, request: policy.Request, current: settings.Settings
         route=drafting.route(
             call, request.role, fmt, load_config, parts.part_off("ungrouped_draft")
         ),
-        reload=request.reload,
+        trigger=request.trigger,
     )
 
 
@@ -338,9 +334,9 @@ def unready() -> str | None:
 def run(
     resolve: Callable[[], calls.Call],
     proceed: Callable[[LoadConfig | None], Any],
-    reload: policy.Reload | None = None,
+    trigger: policy.Reload | None = None,
 ) -> Any:
-    """One load (a reload in place with ``reload``, its trigger): decide, emit the decision,
+    """One load (a reload in place with its ``trigger``): decide, emit the decision,
     load, emit what it cost. The process's first load installs the layer's parts first
     (:func:`unready`), outside the load's figures."""
     if unready() is not None:
@@ -356,7 +352,7 @@ def run(
         try:
             current = read_settings()
         except settings.ConfigError as exc:
-            failed = Load(request=request, snapshot=None, where=where_of(None), reload=reload)
+            failed = Load(request=request, snapshot=None, where=where_of(None), trigger=trigger)
             _finish(failed, cost, exc)
             raise  # an invalid setting stops the load
         try:
@@ -372,7 +368,7 @@ def run(
                 snapshot=current,
                 where=where_of(current),
                 fault=f"{type(exc).__name__}: {exc}",
-                reload=reload,
+                trigger=trigger,
             )
             emit(
                 "hybrid_draft.decision",

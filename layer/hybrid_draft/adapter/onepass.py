@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 from hybrid_draft import records, settings
 from hybrid_draft.adapter import calls, draftplan, internals, loaders, loadscope, parts
 from hybrid_draft.core import checkpoint, hold, objectstore, policy
-from hybrid_draft.core.planning import DraftPlan
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -56,7 +55,7 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
     if setting <= 0:
         return _off("hold_budget_zero")
     requested = call.request().requested_format
-    stream = call.reload is not None and call.reload.source == "iterator"
+    stream = call.trigger is not None and call.trigger.source == "iterator"
     if stream:  # the reload's weights iterator, whatever the target's format
         needed: tuple[str, ...] = ("one_pass",)
     elif requested not in _STREAMED or requested not in loaders.handled_formats(current):
@@ -81,14 +80,14 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
         call.vllm_config,
         draft_config,
         internals.draft_load_config(call.vllm_config),
-        call.reload,
+        call.trigger,
     )
     draft_request = draft_call.request()
     draft_decision = policy.decide(
         draft_request,
         str(current.mode.value),
         loaders.handled_formats(current),
-        reload=str(current.reload.value),
+        reload_setting=str(current.reload.value),
     )
     if not draft_decision.switched or not draft_request.reads_target_checkpoint:
         return _off("draft_not_switched", f"the draft's decision: {draft_decision.reason}")
@@ -104,13 +103,9 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
     if plan is None or plan.is_unused is None or not plan.kept:
         return _off("no_plan", "the draft has no checkpoint-weight rule or keeps nothing")
     # A reload's target is resident already: what is free now is what the hold may share.
-    tp = (
-        0
-        if call.reload is not None
-        else max(1, call.vllm_config.parallel_config.tensor_parallel_size)
-    )
-    device = draftplan.device_of(call) if stream else stream_device(call, requested)
-    limit = budget(setting, plan, device, tp)
+    tp = max(1, call.vllm_config.parallel_config.tensor_parallel_size)
+    target_bytes = 0 if call.trigger is not None else plan.all_bytes // tp
+    limit = budget(setting, stream_device(call, requested), target_bytes)
     made = hold.Hold.of(plan, draft_config, limit, expert_filter(draft_call), current, copy=stream)
     scope.holds.append(made)
     return Tap(made, made.report())
@@ -118,19 +113,19 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
 
 def stream_device(call: calls.Call, requested: str) -> object:
     """Where the target's stream puts its tensors, whose memory the hold takes: vLLM's
-    Run:ai iterator streams onto the host unless its streaming is distributed."""
-    if requested == policy.RUNAI_STREAMER:
+    Run:ai iterator streams onto the host unless its streaming is distributed; a reload's
+    weights iterator is held on the target's device."""
+    iterator = call.trigger is not None and call.trigger.source == "iterator"
+    if requested == policy.RUNAI_STREAMER and not iterator:
         extra = call.load_config.model_loader_extra_config
         if not (isinstance(extra, dict) and extra.get("distributed") is True):
             return "cpu"
     return draftplan.device_of(call)
 
 
-def budget(setting: int, plan: DraftPlan, device: object, tensor_parallel_size: int) -> int:
-    """Bytes one hold may take: the setting, capped at a quarter of what the target's share
-    of the checkpoint (none where ``tensor_parallel_size`` is 0: a target already resident)
-    leaves free on ``device``."""
-    target_bytes = plan.all_bytes // tensor_parallel_size if tensor_parallel_size > 0 else 0
+def budget(setting: int, device: object, target_bytes: int) -> int:
+    """Bytes one hold may take: the setting, capped at a quarter of what ``target_bytes``
+    (the target's share of the checkpoint, still to load) leave free on ``device``."""
     return hold.effective_budget(setting, hold.free_memory(device), target_bytes)
 
 

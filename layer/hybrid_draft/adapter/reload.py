@@ -26,6 +26,7 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from hybrid_draft import settings
 from hybrid_draft.adapter import calls, draftplan, internals, load, loadscope, parts, sharing
 from hybrid_draft.core import checkpoint, draftload, draftread, figures, planning, policy
 from hybrid_draft.core.readers import Weights
@@ -65,17 +66,15 @@ def run(
     if off is not None:
         return vllms()
     trigger = trigger_of(bound.arguments)
-    vllm_config: VllmConfig = runner.vllm_config
-    draft = runner.get_draft_model()
-    spec = getattr(vllm_config, "speculative_config", None)
-    draft_config = getattr(spec, "draft_model_config", None)
-    draft_call = None
-    if draft is not None and draft_config is not None:
-        draft_call = calls.Call.resolve(
-            vllm_config, draft_config, internals.draft_load_config(vllm_config), trigger
-        )
-    if trigger.source == "weights_path":
-        follow(vllm_config, draft_call, str(bound.arguments["weights_path"]))
+    try:
+        vllm_config: VllmConfig = runner.vllm_config
+        target_model = runner.get_model()
+        draft, draft_call = _draft_of(runner, vllm_config, trigger)
+        if trigger.source == "weights_path":
+            follow(vllm_config, draft_call, str(bound.arguments["weights_path"]))
+    except Exception as exc:  # the reload proceeds as vLLM's own, saying why
+        load.layer_error("the reload's preparation", exc, settings.event_sink())
+        return vllms()
     iterator = bound.arguments.get("weights_iterator")
 
     def target(_config: LoadConfig | None) -> Any:
@@ -84,15 +83,29 @@ def run(
         return vllms()
 
     with loadscope.scope():
-        result = load.run(lambda: calls.Call.resolve(vllm_config, reload=trigger), target, trigger)
+        result = load.run(lambda: calls.Call.resolve(vllm_config, trigger=trigger), target, trigger)
         if draft_call is not None:
             call = draft_call
             load.run(
                 lambda: call,
-                lambda config: reload_draft(draft, runner.get_model(), call, config, layout),
+                lambda config: reload_draft(draft, target_model, call, config, layout),
                 trigger,
             )
     return result
+
+
+def _draft_of(
+    runner: Any, vllm_config: VllmConfig, trigger: policy.Reload
+) -> tuple[Any, calls.Call | None]:
+    """The runner's draft model, and the call that loaded it: the configs vLLM's proposers
+    load it with (None: no draft model, an n-gram or suffix proposer's included)."""
+    draft = runner.get_draft_model()
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft_config = getattr(spec, "draft_model_config", None)
+    if draft is None or draft_config is None:
+        return draft, None
+    load_config = internals.draft_load_config(vllm_config)
+    return draft, calls.Call.resolve(vllm_config, draft_config, load_config, trigger)
 
 
 def follow(vllm_config: VllmConfig, draft_call: calls.Call | None, weights_path: str) -> None:
@@ -123,7 +136,7 @@ def reload_draft(
     if read is not None:
         read.sources = draftread.empty_sources()
         read.skip(theirs)
-        if call.reload is not None and call.reload.source == "iterator":
+        if call.trigger is not None and call.trigger.source == "iterator":
             needed = read.hold.needed if read.hold is not None else frozenset()
             weights = figures.observed(
                 draftload.weights(

@@ -144,8 +144,8 @@ class Request:
     #: The checkpoint this call loads, and (for a draft) the target's.
     model: Checkpoint | None = None
     target: Checkpoint | None = None
-    #: A reload's trigger (None: the model's first load).
-    reload: Reload | None = None
+    #: What a reload in place reloads from (None: the model's first load).
+    trigger: Reload | None = None
 
     @property
     def reads_target_checkpoint(self) -> bool:
@@ -206,12 +206,12 @@ def decide(
     mode: str,
     formats: tuple[str, ...] = TARGET_FORMATS,
     unfiltered: tuple[str, ...] = (),
-    reload: str = "auto",
+    reload_setting: str = "auto",
 ) -> Decision:
     """The decision for one call under ``mode`` (one of settings.MODES), for a layer that
     handles the target formats ``formats``; ``unfiltered``: target formats whose installed
     library cannot filter by tensor name (a fastsafetensors before 0.5, a Run:ai Model
-    Streamer before 0.17); ``reload``: the ``reload`` setting (settings.RELOADS)."""
+    Streamer before 0.17); ``reload_setting``: the ``reload`` setting (settings.RELOADS)."""
     requested = request.requested_format
 
     def kept(reason: str, detail: str | None = None) -> Decision:
@@ -222,9 +222,9 @@ def decide(
 
     if request.role == "target":
         return kept("target_model")
-    trigger = request.reload
+    trigger = request.trigger
     if trigger is not None:
-        if reload == "off":
+        if reload_setting == "off":
             return kept("reload_off", "the reload setting is off: the draft keeps its weights")
         if not trigger.checkpoint_format:
             return kept(
