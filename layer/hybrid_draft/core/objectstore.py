@@ -502,12 +502,23 @@ class _GCS(_Store):
         version = pin if pin is not None else self.stat(uri)
         blob = self._blob(uri, version.generation)
         timeout = (self.access.timeout, self.access.timeout)
-        data: bytes = self._run(
-            lambda retry: blob.download_as_bytes(
-                start=start, end=start + size - 1, raw_download=True, timeout=timeout, retry=retry
-            ),
-            pinned=True,
-        )
+        try:
+            data: bytes = self._run(
+                lambda retry: blob.download_as_bytes(
+                    start=start,
+                    end=start + size - 1,
+                    raw_download=True,
+                    timeout=timeout,
+                    retry=retry,
+                ),
+                pinned=True,
+            )
+        except _Failure as failure:
+            # A generation that is gone is a changed object; one that is still the object's
+            # own, refused all the same, is the store's answer.
+            if failure.changed and failure.status == 404 and self.stat(uri) == version:
+                failure.changed = False
+            raise
         if len(data) < min(size, version.size - start):
             raise _Failure(f"an answer was cut ({len(data):,} of {size:,} bytes)", cut=True)
         return data[:size], version
