@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -492,3 +494,29 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, Any]:
     for f in sorted(model_dir.glob("*.safetensors")):
         out.update(load_file(f))
     return out
+
+
+def child_pytest(
+    test_file: str, select: str, env: dict[str, str], timeout: float = 1800
+) -> subprocess.CompletedProcess[str]:
+    """``test_file``'s tests that ``-k select`` picks, in a pytest process of its own with
+    ``env`` added: for what must not share the suite's process (a SIGBUS, a library that
+    keeps one backend per process)."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(Path(test_file).resolve().relative_to(REPO)),
+            "-k",
+            select,
+        ],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -46,6 +46,7 @@ from s3server import (
     path_of,
     reason_of,
     serve,
+    xml_error,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -465,22 +466,7 @@ class AzureDialect(Dialect):
         key: str,
     ) -> Iterable[bytes]:
         """A Blob service error: its XML document (none for HEAD) and ``x-ms-error-code``."""
-        doc = (
-            '<?xml version="1.0" encoding="utf-8"?>\n'
-            f"<Error><Code>{fault.code}</Code><Message>injected by the test server</Message>"
-            "</Error>"
-        ).encode()
-        data = b"" if method == "HEAD" else doc
-        start_response(
-            f"{fault.status} {reason_of(fault.status)}",
-            [
-                ("Content-Type", "application/xml"),
-                ("Content-Length", str(len(data))),
-                ("x-ms-error-code", fault.code),
-                ("x-ms-request-id", "objectservers-fault"),
-            ],
-        )
-        return [data]
+        return xml_error(start_response, fault, method, "", [("x-ms-error-code", fault.code)])
 
     def put(
         self,

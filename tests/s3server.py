@@ -820,22 +820,35 @@ class S3Dialect(Dialect):
         key: str,
     ) -> Iterable[bytes]:
         """An S3 error answer: its XML document (none for HEAD)."""
-        doc = (
-            '<?xml version="1.0" encoding="UTF-8"?>\n'
-            f"<Error><Code>{fault.code}</Code><Message>injected by the test server</Message>"
-            f"<Key>{key}</Key><BucketName>{bucket}</BucketName>"
-            "<RequestId>s3server-fault</RequestId></Error>"
-        ).encode()
-        data = b"" if method == "HEAD" else doc
-        start_response(
-            f"{fault.status} {reason_of(fault.status)}",
-            [
-                ("Content-Type", "application/xml"),
-                ("Content-Length", str(len(data))),
-                ("x-amz-request-id", "s3server-fault"),
-            ],
+        return xml_error(
+            start_response,
+            fault,
+            method,
+            f"<Key>{key}</Key><BucketName>{bucket}</BucketName><RequestId>s3server-fault</RequestId>",
+            [("x-amz-request-id", "s3server-fault")],
         )
-        return [data]
+
+
+def xml_error(
+    start_response: Callable[..., Any],
+    fault: Fault,
+    method: str,
+    more: str,
+    headers: list[tuple[str, str]],
+) -> Iterable[bytes]:
+    """An error answer as S3 and Azure word it: ``fault``'s status, and an XML ``Error``
+    document of its code, ``more`` and a message (no body for HEAD), with ``headers``."""
+    doc = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{fault.code}</Code><Message>injected by the test server</Message>"
+        f"{more}</Error>"
+    ).encode()
+    data = b"" if method == "HEAD" else doc
+    start_response(
+        f"{fault.status} {reason_of(fault.status)}",
+        [("Content-Type", "application/xml"), ("Content-Length", str(len(data))), *headers],
+    )
+    return [data]
 
 
 def _cut(

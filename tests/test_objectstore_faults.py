@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Events, assert_qwen35_draft_is_the_checkpoints, engine_config
+from conftest import Events, assert_qwen35_draft_is_the_checkpoints, child_pytest, engine_config
 from hybrid_draft.core import checkpoint
 from objectservers import GCSServer
 from s3server import Fault, S3Server
@@ -43,7 +43,6 @@ pytestmark = pytest.mark.vllm
 #: The store this process's fault set runs against (``gs`` in the child process).
 STORE_ENV = "HYBRID_DRAFT_TEST_FAULT_STORE"
 STORE = os.environ.get(STORE_ENV, "s3")
-REPO = Path(__file__).resolve().parent.parent
 
 BUCKET = "models"
 TIMEOUT_S = 1
@@ -719,24 +718,7 @@ def test_the_gs_fault_set_in_a_process_of_its_own() -> None:
     child pytest: Run:ai serves one object store per process."""
     if STORE != "s3":
         pytest.skip("the child itself")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(Path(__file__).relative_to(REPO)),
-            "-k",
-            "not test_the_gs_fault_set",
-        ],
-        cwd=REPO,
-        env={**os.environ, STORE_ENV: "gs"},
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    proc = child_pytest(__file__, "not test_the_gs_fault_set", {STORE_ENV: "gs"})
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     assert re.search(r"\b\d+ passed, 4 skipped\b", proc.stdout), tail

@@ -107,6 +107,20 @@ class _Failure(Exception):
         self.retried, self.changed, self.cut = retried, changed, cut
 
 
+def _refusal(status: int | None, code: str | None, retried: int, changed: bool = False) -> _Failure:
+    """A request the store answered with an error: its status and code; ``changed`` where
+    it was held to a version the object no longer is."""
+    return _Failure(
+        _answered(status, code), status=status, code=code, retried=retried, changed=changed
+    )
+
+
+def _cut(detail: object) -> _Failure:
+    """An answer whose body ended early: the header is read again."""
+    text = files.error_line(detail) if isinstance(detail, BaseException) else str(detail)
+    return _Failure(f"an answer was cut ({text})", cut=True)
+
+
 def _answered(status: int | None, code: str | None) -> str:
     shown = f"{status or '?'} {code}" if code and code != str(status) else f"{status}"
     return f"the object store answered {shown}"
@@ -141,6 +155,20 @@ class _Store:
         with self._lock:
             self.retries += n
 
+    def _failure(self, exc: BaseException, retried: int, pinned: bool = False) -> _Failure:
+        """``exc``, a failure of the client's, as the layer tells it."""
+        raise NotImplementedError
+
+    def _attempt(self, call: Callable[[], Any], retried: list[int], pinned: bool) -> Any:
+        """``call``'s result; its failure as a :class:`_Failure` (``retried[0]``: how often
+        the client retried it, counted either way)."""
+        try:
+            return call()
+        except Exception as exc:
+            raise self._failure(exc, retried[0], pinned) from exc
+        finally:
+            self.count(retried[0])
+
     def stat(self, uri: str) -> checkpoint.ObjectVersion:
         """The object's version now (its metadata alone)."""
         raise NotImplementedError
@@ -160,6 +188,8 @@ class _Store:
 
 # --- s3:// -----------------------------------------------------------------------------------
 
+#: The proxy settings every store's client follows.
+_PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
 #: The environment an S3 client is built from: a client is reused while none of these
 #: changes (building one reads botocore's service models: about 0.1 s and 1.5 MB).
 _CLIENT_ENV = (
@@ -176,12 +206,7 @@ _CLIENT_ENV = (
     "AWS_SHARED_CREDENTIALS_FILE",
     "AWS_CA_BUNDLE",
     "AWS_EC2_METADATA_DISABLED",
-    "HTTP_PROXY",
-    "HTTPS_PROXY",
-    "NO_PROXY",
-    "http_proxy",
-    "https_proxy",
-    "no_proxy",
+    *_PROXY_ENV,
     "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING",
     "RUNAI_STREAMER_S3_UNSIGNED",
 )
@@ -235,13 +260,14 @@ class _S3(_Store):
                 Bucket=bucket, Key=key, **kwargs
             )
         except Exception as exc:
-            failure = self._failure(exc)
+            failure = self._told(exc)
             self.count(failure.retried)
             raise failure from exc
         self.count(int(response.get("ResponseMetadata", {}).get("RetryAttempts", 0)))
         return response
 
-    def _failure(self, exc: BaseException, pinned: bool = False) -> _Failure:
+    def _told(self, exc: BaseException) -> _Failure:
+        """``exc``, a failure of botocore's, as the layer tells it."""
         from botocore.exceptions import (
             ClientError,
             ConnectTimeoutError,
@@ -256,15 +282,8 @@ class _S3(_Store):
         if isinstance(exc, ClientError):
             retried = int(exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0))
             raw = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            status = int(raw) if raw else None
             code = exc.response.get("Error", {}).get("Code")
-            return _Failure(
-                _answered(status, str(code) if code else None),
-                status=status,
-                code=str(code) if code else None,
-                retried=retried,
-                changed=pinned and status == 412,
-            )
+            return _refusal(int(raw) if raw else None, str(code) if code else None, retried)
         if isinstance(exc, (BotoConnectionError, HTTPClientError)):
             retried = self.attempts - 1  # connection errors and timeouts: to the last attempt
         if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError)):
@@ -303,8 +322,8 @@ class _S3(_Store):
             return _s3_body(response, size), _s3_version(response)
         except Exception as exc:
             if _s3_transient_body(exc):
-                raise _Failure(f"an answer was cut ({files.error_line(exc)})", cut=True) from exc
-            raise self._failure(exc) from exc
+                raise _cut(exc) from exc
+            raise self._told(exc) from exc
 
 
 def _s3_transient_body(exc: BaseException) -> bool:
@@ -373,12 +392,7 @@ _GCS_ENV = (
     "GOOGLE_CLOUD_PROJECT",
     "RUNAI_STREAMER_GCS_USE_ANONYMOUS_CREDENTIALS",
     "RUNAI_STREAMER_GCS_CREDENTIAL_FILE",
-    "HTTP_PROXY",
-    "HTTPS_PROXY",
-    "NO_PROXY",
-    "http_proxy",
-    "https_proxy",
-    "no_proxy",
+    *_PROXY_ENV,
 )
 
 
@@ -446,12 +460,7 @@ class _GCS(_Store):
 
     def _run(self, operation: Callable[[Any], Any], pinned: bool = False) -> Any:
         retried = [0]
-        try:
-            return operation(self._retry(retried))
-        except Exception as exc:
-            raise self._failure(exc, retried[0], pinned) from exc
-        finally:
-            self.count(retried[0])
+        return self._attempt(lambda: operation(self._retry(retried)), retried, pinned)
 
     def _failure(self, exc: BaseException, retried: int, pinned: bool = False) -> _Failure:
         import requests
@@ -460,18 +469,11 @@ class _GCS(_Store):
 
         if isinstance(exc, api.GoogleAPICallError) and exc.code is not None:
             status = int(exc.code)
-            code = _gcs_reason(exc)
-            return _Failure(
-                _answered(status, code),
-                status=status,
-                code=code,
-                retried=retried,
-                changed=pinned and status in (404, 412),
-            )
+            return _refusal(status, _gcs_reason(exc), retried, pinned and status in (404, 412))
         if isinstance(exc, requests.Timeout):
             return _Failure(_no_answer(self.access), retried=retried)
         if isinstance(exc, requests.exceptions.ChunkedEncodingError):
-            return _Failure(f"an answer was cut ({files.error_line(exc)})", cut=True)
+            return _cut(exc)
         if isinstance(exc, requests.ConnectionError):
             return _Failure(_no_connection(exc), retried=retried)
         if isinstance(exc, auth.DefaultCredentialsError):
@@ -520,7 +522,7 @@ class _GCS(_Store):
                 failure.changed = False
             raise
         if len(data) < min(size, version.size - start):
-            raise _Failure(f"an answer was cut ({len(data):,} of {size:,} bytes)", cut=True)
+            raise _cut(f"{len(data):,} of {size:,} bytes")
         return data[:size], version
 
     def probe(self, uri: str) -> checkpoint.ObjectVersion:
@@ -556,12 +558,7 @@ _AZURE_ENV = (
     "AZURE_CLIENT_ID",
     "AZURE_TENANT_ID",
     "AZURE_CLIENT_SECRET",
-    "HTTP_PROXY",
-    "HTTPS_PROXY",
-    "NO_PROXY",
-    "http_proxy",
-    "https_proxy",
-    "no_proxy",
+    *_PROXY_ENV,
 )
 
 
@@ -624,12 +621,7 @@ class _Azure(_Store):
         def hook(**_kwargs: Any) -> None:
             retried[0] += 1
 
-        try:
-            return operation(hook)
-        except Exception as exc:
-            raise self._failure(exc, retried[0], pinned) from exc
-        finally:
-            self.count(retried[0])
+        return self._attempt(lambda: operation(hook), retried, pinned)
 
     def _failure(self, exc: BaseException, retried: int, pinned: bool = False) -> _Failure:
         from azure.core import exceptions as az
@@ -638,17 +630,11 @@ class _Azure(_Store):
             status = int(exc.status_code)
             raw = getattr(exc, "error_code", None)
             code = str(getattr(raw, "value", raw)) if raw else None
-            return _Failure(
-                _answered(status, code),
-                status=status,
-                code=code,
-                retried=retried,
-                changed=pinned and status == 412,
-            )
+            return _refusal(status, code, retried, pinned and status == 412)
         if isinstance(exc, (az.ServiceRequestTimeoutError, az.ServiceResponseTimeoutError)):
             return _Failure(_no_answer(self.access), retried=retried)
         if isinstance(exc, (az.IncompleteReadError, az.ServiceResponseError)):
-            return _Failure(f"an answer was cut ({files.error_line(exc)})", cut=True)
+            return _cut(exc)
         if isinstance(exc, az.ServiceRequestError):
             return _Failure(_no_connection(exc), retried=retried)
         if isinstance(exc, az.ClientAuthenticationError):
@@ -689,7 +675,7 @@ class _Azure(_Store):
             size=_total(props.content_range, int(props.size)),
         )
         if len(data) < min(size, version.size - start):
-            raise _Failure(f"an answer was cut ({len(data):,} of {size:,} bytes)", cut=True)
+            raise _cut(f"{len(data):,} of {size:,} bytes")
         return data, version
 
 
