@@ -120,6 +120,7 @@ class _ProxiedServer(FaultServer):
                     self.STORE,
                     "--upstream",
                     self.upstream,
+                    *self._proxy_args(),
                 ],
                 {**os.environ, "PYTHONUNBUFFERED": "1"},
             )
@@ -130,6 +131,9 @@ class _ProxiedServer(FaultServer):
         self.startup_s = time.monotonic() - began
         self.reset()
         return self
+
+    def _proxy_args(self) -> list[str]:
+        return []
 
     def stop(self, keep_files: bool = False) -> None:
         super().stop(keep_files)
@@ -365,6 +369,23 @@ class AzureServer(_ProxiedServer):
     STORE = "az"
     SCHEME = "az"
 
+    def __init__(self, tls: Path | None = None, start_timeout: float = 60.0) -> None:
+        """``tls``: a folder of :func:`azure_tls` files: the proxy then answers HTTPS on
+        port 443 as ``https://devstoreaccount1.blob.core.windows.net``, where the Run:ai
+        Model Streamer's Azure client goes (in a network and mount namespace of the test's
+        own, whose ``/etc/hosts`` and CA bundle name it: :func:`in_azure_namespace`)."""
+        super().__init__(start_timeout)
+        self.tls = tls
+
+    def _proxy_args(self) -> list[str]:
+        return [] if self.tls is None else ["--tls", str(self.tls)]
+
+    @property
+    def endpoint(self) -> str:
+        if self.tls is None:
+            return super().endpoint
+        return f"https://{AZURE_HOST}"  # port 443 of this namespace's loopback
+
     @staticmethod
     def available() -> str | None:
         """Why Azurite cannot run here (None: it can)."""
@@ -419,13 +440,35 @@ class AzureServer(_ProxiedServer):
     @property
     def env(self) -> dict[str, str]:
         """What reaches this server: the connection string the Run:ai Model Streamer's Azure
-        package lists blobs with, and its account."""
+        package lists blobs with, and its account; with ``tls``, the account and its key
+        alone (Run:ai's streamer ignores a connection string), and the CA bundle for
+        Python's clients."""
+        proxies = {
+            "NO_PROXY": f"{HOST},localhost,{AZURE_HOST}",
+            "no_proxy": f"{HOST},localhost,{AZURE_HOST}",
+        }
+        if self.tls is not None:
+            bundle = str(self.tls / "bundle.pem")
+            return {
+                "AZURE_STORAGE_ACCOUNT_NAME": AZURE_ACCOUNT,
+                "AZURE_STORAGE_ACCOUNT_KEY": AZURE_KEY,
+                "REQUESTS_CA_BUNDLE": bundle,
+                "SSL_CERT_FILE": bundle,
+                **proxies,
+            }
         return {
             "AZURE_STORAGE_CONNECTION_STRING": self.connection_string(self.endpoint),
             "AZURE_STORAGE_ACCOUNT_NAME": AZURE_ACCOUNT,
-            "NO_PROXY": f"{HOST},localhost",
-            "no_proxy": f"{HOST},localhost",
+            **proxies,
         }
+
+    def etag(self, container: str, blob: str) -> str:
+        """The blob's ETag now (past the proxy)."""
+        from azure.storage.blob import BlobServiceClient
+
+        assert self.upstream is not None
+        service = BlobServiceClient.from_connection_string(self.connection_string(self.upstream))
+        return str(service.get_blob_client(container, blob).get_blob_properties().etag)
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
         assert self.upstream is not None
@@ -443,6 +486,102 @@ def put_azure(connection: str, container: str, blob: str, data: bytes) -> None:
     service.get_blob_client(container, blob).upload_blob(data, overwrite=True)
 
 
+#: The host name the Run:ai Model Streamer's Azure client opens for the account.
+AZURE_HOST = f"{AZURE_ACCOUNT}.blob.core.windows.net"
+
+
+def azure_tls(folder: Path) -> Path:
+    """A test CA and a certificate of :data:`AZURE_HOST` signed by it (``server.pem``,
+    ``server.key``), the host's CA bundle with that CA added (``bundle.pem``) and a hosts
+    file naming :data:`AZURE_HOST` on loopback (``hosts``), in ``folder``: what a namespace
+    of :func:`in_azure_namespace` mounts."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    def signed(subject: str, key: Any, issuer: str, issuer_key: Any, ca: bool) -> Any:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(name(issuer))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName(subject)]), critical=False
+            )
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = signed("hybrid-draft test CA", ca_key, "hybrid-draft test CA", ca_key, True)
+    cert = signed(AZURE_HOST, key, "hybrid-draft test CA", ca_key, False)
+    pem = serialization.Encoding.PEM
+    (folder / "server.pem").write_bytes(cert.public_bytes(pem))
+    (folder / "server.key").write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    system = Path(SYSTEM_CA_BUNDLE)
+    (folder / "bundle.pem").write_bytes(
+        (system.read_bytes() if system.exists() else b"") + ca.public_bytes(pem)
+    )
+    (folder / "hosts").write_text(f"127.0.0.1 localhost {AZURE_HOST}\n")
+    return folder
+
+
+#: Where the Run:ai Model Streamer's Azure client (its own curl) reads trusted CAs from.
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def in_azure_namespace(argv: list[str], tls: Path) -> list[str]:
+    """``argv`` run in a new network and mount namespace (root's ``unshare``): loopback up,
+    :func:`azure_tls`'s hosts file and CA bundle bind-mounted over ``/etc/hosts`` and the
+    system's bundle there only, so that :data:`AZURE_HOST` is this namespace's loopback,
+    and trusted. Nothing of the host's changes."""
+    inner = (
+        "ip link set lo up && "
+        f"mount --bind {tls / 'hosts'} /etc/hosts && "
+        f"mount --bind {tls / 'bundle.pem'} {SYSTEM_CA_BUNDLE} && "
+        'exec "$@"'
+    )
+    return [
+        "unshare",
+        "--net",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        inner,
+        "sh",
+        *argv,
+    ]
+
+
+def azure_namespace_unavailable() -> str | None:
+    """Why :func:`in_azure_namespace` cannot run here (None: it can)."""
+    if os.geteuid() != 0:
+        return "new network and mount namespaces need root"
+    missing = [tool for tool in ("unshare", "ip", "mount") if shutil.which(tool) is None]
+    if missing:
+        return f"no {', '.join(missing)} on PATH"
+    if not Path(SYSTEM_CA_BUNDLE).exists():
+        return f"no {SYSTEM_CA_BUNDLE} to add the test CA to"
+    return AzureServer.available()
+
+
 class AzureDialect(Dialect):
     """Azurite's path-style Blob requests: ``/ACCOUNT/CONTAINER/BLOB``."""
 
@@ -451,6 +590,8 @@ class AzureDialect(Dialect):
 
     def where(self, environ: dict[str, Any]) -> tuple[str, str, str]:
         parts = path_of(environ).lstrip("/").split("/", 2)
+        if str(environ.get("HTTP_HOST", "")).startswith(f"{AZURE_ACCOUNT}."):
+            parts = [AZURE_ACCOUNT, *path_of(environ).lstrip("/").split("/", 1)]  # host-style
         method = str(environ.get("REQUEST_METHOD", ""))
         query = urllib.parse.parse_qs(str(environ.get("QUERY_STRING", "")))
         if len(parts) < 3 or "comp" in query or "restype" in query:
@@ -486,9 +627,10 @@ class _Proxy:
     """WSGI: each request forwarded to ``upstream`` as it came (its path unchanged), the
     answer streamed back as it arrives."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, keep_host: bool = False) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         self.host, self.port = parsed.hostname or HOST, parsed.port or 80
+        self.keep_host = keep_host
 
     def __call__(
         self, environ: dict[str, Any], start_response: Callable[..., Any]
@@ -499,7 +641,8 @@ class _Proxy:
             for name, value in environ.items()
             if name.startswith("HTTP_") and name[5:].replace("_", "-").lower() not in _HOP
         }
-        headers["Host"] = f"{self.host}:{self.port}"
+        if not self.keep_host or "Host" not in headers:
+            headers["Host"] = f"{self.host}:{self.port}"
         for name, header in (
             ("CONTENT_TYPE", "Content-Type"),
             ("CONTENT_LENGTH", "Content-Length"),
@@ -540,11 +683,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log", type=Path, required=True)
     parser.add_argument("--port-file", type=Path, required=True)
     parser.add_argument("--parent", type=int, default=None)
+    parser.add_argument("--tls", type=Path, default=None, help="a folder of server.pem, server.key")
     args = parser.parse_args(argv)
     dialect: Dialect = (
         GCSDialect(args.upstream) if args.store == "gs" else AzureDialect(args.upstream)
     )
-    serve(_Proxy(args.upstream), dialect, args.log, args.port_file, args.parent)
+    if args.tls is None:
+        serve(_Proxy(args.upstream), dialect, args.log, args.port_file, args.parent)
+        return
+    tls = (str(args.tls / "server.pem"), str(args.tls / "server.key"))
+    serve(
+        _Proxy(args.upstream, keep_host=True),
+        dialect,
+        args.log,
+        args.port_file,
+        args.parent,
+        port=443,
+        ssl_context=tls,
+    )
 
 
 if __name__ == "__main__":

@@ -944,15 +944,17 @@ def serve(
     log_path: Path,
     port_file: Path,
     parent: int | None,
+    port: int = 0,
     **options: Any,
 ) -> None:
-    """``store`` behind the fault and recording middlewares: bind 127.0.0.1:0, report the
-    port (atomically), serve until killed (or the test process is gone)."""
+    """``store`` behind the fault and recording middlewares: bind 127.0.0.1:``port`` (0: a
+    free one), report the port (atomically), serve until killed (or the test process is
+    gone)."""
     from werkzeug.serving import make_server
 
     faults = _Faults()
     app = _Recorder(_Faulty(store, faults, dialect), log_path, faults, dialect)
-    server = make_server(HOST, 0, app, threaded=True, **options)
+    server = make_server(HOST, port, app, threaded=True, **options)
     if parent is not None:
         threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
     tmp = port_file.with_suffix(".tmp")
