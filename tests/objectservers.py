@@ -86,6 +86,16 @@ _CLIENT_ENV_DROP = (
 )
 
 
+def _die_with_parent() -> None:
+    """In an emulator's process before it starts: end with the test process (SIGTERM when
+    it is gone, killed before it could stop the emulator), never left running."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -229,6 +239,7 @@ class GCSServer(_ProxiedServer):
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             url = f"http://{HOST}:{port}"
             try:
@@ -418,6 +429,7 @@ class AzureServer(_ProxiedServer):
                 stderr=subprocess.STDOUT,
                 cwd=scratch,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         deadline = time.monotonic() + self.start_timeout
         while True:  # it binds port 0 itself and says which port it got
