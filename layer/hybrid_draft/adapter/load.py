@@ -408,7 +408,7 @@ def _failed_read(
 ) -> records.FailedRead | None:
     """For a load that failed in its loader's words (an error of the layer's own names its
     file already), the shard the layer finds refused when it asks again, and why."""
-    if exc is None or isinstance(exc, checkpoint.CheckpointError):
+    if not isinstance(exc, Exception) or isinstance(exc, checkpoint.CheckpointError):
         return None
     opened = [f for f in cost.resolved if f not in cost.dropped]
     return objectstore.failed_read(opened, objectstore.Access.of(load.snapshot))
