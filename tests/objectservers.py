@@ -703,6 +703,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.tls is None:
         serve(_Proxy(args.upstream), dialect, args.log, args.port_file, args.parent)
         return
+    from werkzeug.serving import WSGIRequestHandler
+
+    class Handler(WSGIRequestHandler):
+        #: Run:ai's Azure client can leave an answer unread on a connection it keeps open:
+        #: cut after this many seconds without progress, so that its request ends.
+        timeout = 5
+
     tls = (str(args.tls / "server.pem"), str(args.tls / "server.key"))
     serve(
         _Proxy(args.upstream, keep_host=True),
@@ -712,6 +719,7 @@ def main(argv: list[str] | None = None) -> None:
         args.parent,
         port=443,
         ssl_context=tls,
+        request_handler=Handler,
     )
 
 
