@@ -379,18 +379,18 @@ class FaultServer:
         deadline = time.monotonic() + timeout
         while True:
             text = self.log_path.read_text() if self.log_path.exists() else ""
-            open_ = set()
+            open_: dict[int, str] = {}
             for line in text.splitlines():
                 rec = json.loads(line)
                 if rec["event"] == "start":
-                    open_.add(rec["seq"])
+                    open_[rec["seq"]] = rec.get("what", "")
                 else:
-                    open_.discard(rec["seq"])
+                    open_.pop(rec["seq"], None)
             if not open_:
                 return text
             if time.monotonic() > deadline:
                 raise S3ServerError(
-                    f"requests {sorted(open_)} still open after {timeout:.0f} s; "
+                    f"requests {sorted(open_.items())} still open after {timeout:.0f} s; "
                     f"see {self.log_path}"
                 )
             time.sleep(0.02)
@@ -582,8 +582,8 @@ class _Recorder:
         with self._lock:
             self._seq += 1
             seq = self._seq
-        self.write({"event": "start", "seq": seq})
         method, bucket, key = self._dialect.where(environ)
+        self.write({"event": "start", "seq": seq, "what": f"{method} {bucket}/{key}"})
         rec: dict[str, Any] = {
             "event": "end",
             "seq": seq,
