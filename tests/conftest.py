@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -625,3 +627,34 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, Any]:
     for f in sorted(model_dir.glob("*.safetensors")):
         out.update(load_file(f))
     return out
+
+
+def child_pytest(
+    test_file: str,
+    select: str,
+    env: dict[str, str],
+    timeout: float = 1800,
+    wrap: Any = None,
+) -> subprocess.CompletedProcess[str]:
+    """``test_file``'s tests that ``-k select`` picks, in a pytest process of its own with
+    ``env`` added (its command line passed through ``wrap``, where given): for what must not
+    share the suite's process (a SIGBUS, a library that keeps one backend per process)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(Path(test_file).resolve().relative_to(REPO)),
+        "-k",
+        select,
+    ]
+    return subprocess.run(
+        wrap(argv) if wrap is not None else argv,
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -216,8 +216,10 @@ class S3ServerError(RuntimeError):
     """The server did not start, or died, or its log did not settle."""
 
 
-class S3Server:
-    """Moto's S3 in a subprocess on ``127.0.0.1`` on a free port, recording every request.
+class FaultServer:
+    """A server on ``127.0.0.1`` run as a subprocess of the test, recording every request
+    and injecting the armed fault: what every store's test server shares (this module's
+    :class:`S3Server`, ``objectservers.py``'s GCS and Azure ones).
 
     A context manager: ``__enter__`` starts it and waits until it answers, ``__exit__`` stops
     it (terminate, then kill) and removes its temporary folder (log included).
@@ -231,21 +233,21 @@ class S3Server:
         self._port: int | None = None
         self._mark = 0
 
-    # -- life cycle -------------------------------------------------------------------------
+    def start(self) -> FaultServer:
+        raise NotImplementedError
 
-    def start(self) -> S3Server:
-        """Start the subprocess; it binds port 0 itself and reports the port, so no race."""
+    def _spawn(self, argv: list[str], env: Mapping[str, str]) -> Path:
+        """Start ``argv`` (a server that writes its port to ``--port-file``) in a new
+        temporary folder, its output into ``server.out``; returns the port file's path."""
         if self._proc is not None:
             raise S3ServerError("already started")
         self._dir = Path(tempfile.mkdtemp(prefix="s3server-"))
         port_file = self._dir / "port"
         out = (self._dir / "server.out").open("wb")
-        began = time.monotonic()
         try:
             self._proc = subprocess.Popen(
                 [
-                    sys.executable,
-                    str(Path(__file__).resolve()),
+                    *argv,
                     "--log",
                     str(self.log_path),
                     "--port-file",
@@ -256,37 +258,14 @@ class S3Server:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=_server_env(),
+                env=dict(env),
                 start_new_session=True,
             )
         finally:
             out.close()
-        try:
-            self._port = self._wait_for_port(port_file, began)
-            self._wait_until_answering(began)
-        except BaseException:
-            self.stop(keep_files=True)  # the error names server.out: leave it to be read
-            raise
-        self.startup_s = time.monotonic() - began
-        self.reset()  # the readiness probe is no client's read
-        return self
+        return port_file
 
-    def stop(self, keep_files: bool = False) -> None:
-        """Terminate, kill after 5 s, and remove the temporary folder (unless ``keep_files``)."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-        if self._dir is not None and not keep_files:
-            shutil.rmtree(self._dir, ignore_errors=True)
-        self._dir = None
-        self._port = None
-
-    def __enter__(self) -> S3Server:
+    def __enter__(self) -> FaultServer:
         return self.start()
 
     def __exit__(
@@ -297,7 +276,14 @@ class S3Server:
     ) -> None:
         self.stop()
 
-    # -- where it is, and what a client needs ----------------------------------------------
+    def stop(self, keep_files: bool = False) -> None:
+        """Terminate, kill after 5 s, and remove the temporary folder (unless ``keep_files``)."""
+        proc, self._proc = self._proc, None
+        _end(proc)
+        if self._dir is not None and not keep_files:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir = None
+        self._port = None
 
     @property
     def log_path(self) -> Path:
@@ -322,77 +308,6 @@ class S3Server:
     @property
     def endpoint(self) -> str:
         return f"http://{HOST}:{self.port}"
-
-    @property
-    def env(self) -> dict[str, str]:
-        """What a client needs set to reach this server: boto3 and Run:ai's C++ client alike.
-
-        AWS_ENDPOINT_URL is read by both; path-style addressing is Run:ai's
-        RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING=0 (its default, 1, would put the bucket in the
-        host name); the instance-metadata lookup is switched off so no credential probe leaves
-        the machine; the credentials are dummies (moto does not check signatures).
-        """
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID,
-            "AWS_SECRET_ACCESS_KEY": SECRET_ACCESS_KEY,
-            "AWS_DEFAULT_REGION": REGION,
-            "AWS_REGION": REGION,
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
-            "NO_PROXY": f"{HOST},localhost",
-            "no_proxy": f"{HOST},localhost",
-        }
-
-    def client_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """A whole environment for a client subprocess: ``base`` (default ``os.environ``) less
-        what would steer it elsewhere, plus ``env``. Shared AWS config and credentials files
-        point at absent paths, so a profile on the host cannot override the dummies."""
-        ours = self.env
-        assert self._dir is not None
-        merged = dict(os.environ if base is None else base)
-        for name in _CLIENT_ENV_DROP:
-            merged.pop(name, None)
-        merged["AWS_CONFIG_FILE"] = str(self._dir / "absent-aws-config")
-        merged["AWS_SHARED_CREDENTIALS_FILE"] = str(self._dir / "absent-aws-credentials")
-        merged.update(ours)
-        return merged
-
-    # -- content ----------------------------------------------------------------------------
-
-    def client(self) -> Any:
-        """A boto3 S3 client for this server (path style, dummy credentials)."""
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=ACCESS_KEY_ID,
-            aws_secret_access_key=SECRET_ACCESS_KEY,
-            region_name=REGION,
-            config=Config(s3={"addressing_style": "path"}),
-        )
-
-    def upload_dir(self, local_dir: Path | str, bucket: str, prefix: str = "") -> str:
-        """Create ``bucket`` (if new) and upload every file under ``local_dir`` to
-        ``prefix/<relative path>``; returns ``s3://bucket/prefix``. Uploads are recorded
-        too: call ``reset()`` after, to count only what a client then reads."""
-        root = Path(local_dir)
-        s3 = self.client()
-        existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
-        if bucket not in existing:
-            s3.create_bucket(Bucket=bucket)
-        prefix = prefix.strip("/")
-        for path in sorted(p for p in root.rglob("*") if p.is_file()):
-            rel = path.relative_to(root).as_posix()
-            key = f"{prefix}/{rel}" if prefix else rel
-            # put_object, one request per file: upload_file would go multipart past 8 MiB.
-            with path.open("rb") as f:
-                s3.put_object(Bucket=bucket, Key=key, Body=f)
-        return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-
-    # -- the record -------------------------------------------------------------------------
 
     def mark(self) -> int:
         """The log's current end, for ``requests(since=...)``; settles first."""
@@ -438,8 +353,6 @@ class S3Server:
                 out[(r.bucket, r.key)].append((r.range, r.sent))
         return dict(out)
 
-    # -- faults -----------------------------------------------------------------------------
-
     def arm(self, fault: Fault) -> None:
         """Inject ``fault`` from now on (in place of any armed before; counts start at 0)."""
         self._control("POST", fault.as_json())
@@ -461,25 +374,23 @@ class S3Server:
             result: dict[str, Any] = json.loads(resp.read())
         return result
 
-    # -- internals --------------------------------------------------------------------------
-
     def _settle(self, timeout: float = SETTLE_TIMEOUT_S) -> str:
         """The log's text once every started request has ended (bounded wait)."""
         deadline = time.monotonic() + timeout
         while True:
             text = self.log_path.read_text() if self.log_path.exists() else ""
-            open_ = set()
+            open_: dict[int, str] = {}
             for line in text.splitlines():
                 rec = json.loads(line)
                 if rec["event"] == "start":
-                    open_.add(rec["seq"])
+                    open_[rec["seq"]] = rec.get("what", "")
                 else:
-                    open_.discard(rec["seq"])
+                    open_.pop(rec["seq"], None)
             if not open_:
                 return text
             if time.monotonic() > deadline:
                 raise S3ServerError(
-                    f"requests {sorted(open_)} still open after {timeout:.0f} s; "
+                    f"requests {sorted(open_.items())} still open after {timeout:.0f} s; "
                     f"see {self.log_path}"
                 )
             time.sleep(0.02)
@@ -489,21 +400,6 @@ class S3Server:
         while True:
             if port_file.exists():
                 return int(port_file.read_text())
-            self._check_alive_and_time(began)
-            time.sleep(0.05)
-
-    def _wait_until_answering(self, began: float) -> None:
-        url = f"http://{HOST}:{self._port}/moto-api/"
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        while True:
-            try:
-                with opener.open(url, timeout=2) as resp:
-                    resp.read()
-                    return
-            except urllib.error.HTTPError:
-                return  # an HTTP answer of any status: it is serving
-            except OSError:
-                pass
             self._check_alive_and_time(began)
             time.sleep(0.05)
 
@@ -519,6 +415,118 @@ class S3Server:
                 f"S3 server did not answer within {self.start_timeout:g} s; "
                 f"see {self._dir / 'server.out'}:\n{_tail(self._dir / 'server.out')}"
             )
+
+
+def _end(proc: subprocess.Popen[bytes] | None) -> None:
+    """Terminate ``proc`` (its whole session), kill it after 5 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+class S3Server(FaultServer):
+    """Moto's S3 in a subprocess on ``127.0.0.1`` on a free port, recording every request."""
+
+    def start(self) -> S3Server:
+        """Start the subprocess; it binds port 0 itself and reports the port, so no race."""
+        began = time.monotonic()
+        port_file = self._spawn([sys.executable, str(Path(__file__).resolve())], _server_env())
+        try:
+            self._port = self._wait_for_port(port_file, began)
+            self._wait_until_answering(began)
+        except BaseException:
+            self.stop(keep_files=True)  # the error names server.out: leave it to be read
+            raise
+        self.startup_s = time.monotonic() - began
+        self.reset()  # the readiness probe is no client's read
+        return self
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a client needs set to reach this server: boto3 and Run:ai's C++ client alike.
+
+        AWS_ENDPOINT_URL is read by both; path-style addressing is Run:ai's
+        RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING=0 (its default, 1, would put the bucket in the
+        host name); the instance-metadata lookup is switched off so no credential probe leaves
+        the machine; the credentials are dummies (moto does not check signatures).
+        """
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": SECRET_ACCESS_KEY,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+            "NO_PROXY": f"{HOST},localhost",
+            "no_proxy": f"{HOST},localhost",
+        }
+
+    def client_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """A whole environment for a client subprocess: ``base`` (default ``os.environ``) less
+        what would steer it elsewhere, plus ``env``. Shared AWS config and credentials files
+        point at absent paths, so a profile on the host cannot override the dummies."""
+        ours = self.env
+        assert self._dir is not None
+        merged = dict(os.environ if base is None else base)
+        for name in _CLIENT_ENV_DROP:
+            merged.pop(name, None)
+        merged["AWS_CONFIG_FILE"] = str(self._dir / "absent-aws-config")
+        merged["AWS_SHARED_CREDENTIALS_FILE"] = str(self._dir / "absent-aws-credentials")
+        merged.update(ours)
+        return merged
+
+    def client(self) -> Any:
+        """A boto3 S3 client for this server (path style, dummy credentials)."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY_ID,
+            aws_secret_access_key=SECRET_ACCESS_KEY,
+            region_name=REGION,
+            config=Config(s3={"addressing_style": "path"}),
+        )
+
+    def upload_dir(self, local_dir: Path | str, bucket: str, prefix: str = "") -> str:
+        """Create ``bucket`` (if new) and upload every file under ``local_dir`` to
+        ``prefix/<relative path>``; returns ``s3://bucket/prefix``. Uploads are recorded
+        too: call ``reset()`` after, to count only what a client then reads."""
+        root = Path(local_dir)
+        s3 = self.client()
+        existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
+        if bucket not in existing:
+            s3.create_bucket(Bucket=bucket)
+        prefix = prefix.strip("/")
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            rel = path.relative_to(root).as_posix()
+            key = f"{prefix}/{rel}" if prefix else rel
+            # put_object, one request per file: upload_file would go multipart past 8 MiB.
+            with path.open("rb") as f:
+                s3.put_object(Bucket=bucket, Key=key, Body=f)
+        return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+    def _wait_until_answering(self, began: float) -> None:
+        url = f"http://{HOST}:{self._port}/moto-api/"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        while True:
+            try:
+                with opener.open(url, timeout=2) as resp:
+                    resp.read()
+                    return
+            except urllib.error.HTTPError:
+                return  # an HTTP answer of any status: it is serving
+            except OSError:
+                pass
+            self._check_alive_and_time(began)
+            time.sleep(0.05)
 
 
 def _tail(path: Path, n: int = 4000) -> str:
@@ -552,8 +560,10 @@ class _Recorder:
         app: Callable[..., Iterable[bytes]],
         log_path: Path,
         faults: _Faults | None = None,
+        dialect: Dialect | None = None,
     ) -> None:
         self._app = app
+        self._dialect = dialect or S3Dialect()
         self._lock = threading.Lock()
         self._seq = 0
         self._log = log_path.open("a", encoding="utf-8")
@@ -572,18 +582,16 @@ class _Recorder:
         with self._lock:
             self._seq += 1
             seq = self._seq
-        self.write({"event": "start", "seq": seq})
-        # PATH_INFO is percent-decoded, as latin-1 (PEP 3333); keys are UTF-8.
-        path = environ.get("PATH_INFO", "").encode("latin-1").decode("utf-8", "replace")
-        bucket, _, key = path.lstrip("/").partition("/")
+        method, bucket, key = self._dialect.where(environ)
+        self.write({"event": "start", "seq": seq, "what": f"{method} {bucket}/{key}"})
         rec: dict[str, Any] = {
             "event": "end",
             "seq": seq,
-            "method": environ.get("REQUEST_METHOD", ""),
+            "method": method,
             "bucket": bucket,
             "key": key,
             "query": environ.get("QUERY_STRING", ""),
-            "range": environ.get("HTTP_RANGE"),
+            "range": environ.get("HTTP_RANGE") or environ.get("HTTP_X_MS_RANGE"),
             "status": 0,
             "sent": 0,
             "content_length": None,
@@ -692,25 +700,29 @@ class _Faults:
 class _Faulty:
     """WSGI middleware: the armed :class:`Fault` injected into the requests it matches."""
 
-    def __init__(self, app: Callable[..., Iterable[bytes]], faults: _Faults) -> None:
+    def __init__(
+        self,
+        app: Callable[..., Iterable[bytes]],
+        faults: _Faults,
+        dialect: Dialect | None = None,
+    ) -> None:
         self._app = app
         self._faults = faults
+        self._dialect = dialect or S3Dialect()
 
     def __call__(
         self, environ: dict[str, Any], start_response: Callable[..., Any]
     ) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "").encode("latin-1").decode("utf-8", "replace")
-        bucket, _, key = path.lstrip("/").partition("/")
-        method = environ.get("REQUEST_METHOD", "")
+        method, bucket, key = self._dialect.where(environ)
         found = self._faults.match(method, bucket, key)
         if found is None:
             return self._app(environ, start_response)
         fault, release = found
         environ[_FAULT_KEY] = fault.kind
         if fault.kind == "status":
-            return _error(start_response, fault, method, bucket, key)
+            return self._dialect.error(start_response, fault, method, bucket, key)
         if fault.kind == "replace":
-            self._put(environ, bucket, key, Path(fault.body or "").read_bytes())
+            self._dialect.put(self._app, environ, bucket, key, Path(fault.body or "").read_bytes())
             return self._app(environ, start_response)
         if fault.kind == "delay":
             release.wait(fault.seconds)
@@ -718,7 +730,66 @@ class _Faulty:
         body = self._app(environ, start_response)
         return _cut(body, environ, fault, release)
 
-    def _put(self, environ: dict[str, Any], bucket: str, key: str, data: bytes) -> None:
+
+class Dialect:
+    """How one store's requests read, for the middlewares: which operation on which object
+    a request is, a refusal in the store's words, and an object replaced in the store."""
+
+    def where(self, environ: dict[str, Any]) -> tuple[str, str, str]:
+        """``(method, bucket, key)``: the request's method as S3 names its operations
+        (``GET`` an object's bytes, ``HEAD`` its metadata, ``PUT``...), and its object
+        (``key`` empty for a request of no one object)."""
+        raise NotImplementedError
+
+    def error(
+        self,
+        start_response: Callable[..., Any],
+        fault: Fault,
+        method: str,
+        bucket: str,
+        key: str,
+    ) -> Iterable[bytes]:
+        raise NotImplementedError
+
+    def put(
+        self,
+        app: Callable[..., Iterable[bytes]],
+        environ: dict[str, Any],
+        bucket: str,
+        key: str,
+        data: bytes,
+    ) -> None:
+        raise NotImplementedError
+
+
+def path_of(environ: dict[str, Any]) -> str:
+    """The request's path, decoded: PATH_INFO is percent-decoded as latin-1 (PEP 3333);
+    keys are UTF-8."""
+    return str(environ.get("PATH_INFO", "")).encode("latin-1").decode("utf-8", "replace")
+
+
+def reason_of(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # a status HTTP does not name
+        return "Error"
+
+
+class S3Dialect(Dialect):
+    """S3's path-style requests (``/bucket/key``), served by moto in the same process."""
+
+    def where(self, environ: dict[str, Any]) -> tuple[str, str, str]:
+        bucket, _, key = path_of(environ).lstrip("/").partition("/")
+        return str(environ.get("REQUEST_METHOD", "")), bucket, key
+
+    def put(
+        self,
+        app: Callable[..., Iterable[bytes]],
+        environ: dict[str, Any],
+        bucket: str,
+        key: str,
+        data: bytes,
+    ) -> None:
         """The object's bytes replaced through moto itself (a PUT in this request's name)."""
         from werkzeug.test import EnvironBuilder
 
@@ -731,7 +802,7 @@ class _Faulty:
             path=f"/{bucket}/{key}", method="PUT", data=data, headers=headers
         ).get_environ()
         statuses: list[str] = []
-        body = self._app(put, lambda status, _headers, _exc=None: statuses.append(status))
+        body = app(put, lambda status, _headers, _exc=None: statuses.append(status))
         for _ in body:
             pass
         close = getattr(body, "close", None)
@@ -740,29 +811,42 @@ class _Faulty:
         if not statuses or not statuses[0].startswith("200"):
             raise S3ServerError(f"replacing {bucket}/{key} failed: {statuses}")
 
+    def error(
+        self,
+        start_response: Callable[..., Any],
+        fault: Fault,
+        method: str,
+        bucket: str,
+        key: str,
+    ) -> Iterable[bytes]:
+        """An S3 error answer: its XML document (none for HEAD)."""
+        return xml_error(
+            start_response,
+            fault,
+            method,
+            f"<Key>{key}</Key><BucketName>{bucket}</BucketName><RequestId>s3server-fault</RequestId>",
+            [("x-amz-request-id", "s3server-fault")],
+        )
 
-def _error(
-    start_response: Callable[..., Any], fault: Fault, method: str, bucket: str, key: str
+
+def xml_error(
+    start_response: Callable[..., Any],
+    fault: Fault,
+    method: str,
+    more: str,
+    headers: list[tuple[str, str]],
 ) -> Iterable[bytes]:
-    """An S3 error answer: its XML document (none for HEAD)."""
+    """An error answer as S3 and Azure word it: ``fault``'s status, and an XML ``Error``
+    document of its code, ``more`` and a message (no body for HEAD), with ``headers``."""
     doc = (
         '<?xml version="1.0" encoding="UTF-8"?>\n'
         f"<Error><Code>{fault.code}</Code><Message>injected by the test server</Message>"
-        f"<Key>{key}</Key><BucketName>{bucket}</BucketName>"
-        "<RequestId>s3server-fault</RequestId></Error>"
+        f"{more}</Error>"
     ).encode()
-    try:
-        reason = HTTPStatus(fault.status).phrase
-    except ValueError:  # a status HTTP does not name
-        reason = "Error"
     data = b"" if method == "HEAD" else doc
     start_response(
-        f"{fault.status} {reason}",
-        [
-            ("Content-Type", "application/xml"),
-            ("Content-Length", str(len(data))),
-            ("x-amz-request-id", "s3server-fault"),
-        ],
+        f"{fault.status} {reason_of(fault.status)}",
+        [("Content-Type", "application/xml"), ("Content-Length", str(len(data))), *headers],
     )
     return [data]
 
@@ -837,19 +921,40 @@ def _orphan_watch(parent: int) -> None:
 
 
 def _serve(log_path: Path, port_file: Path, parent: int | None) -> None:
-    """Bind 127.0.0.1:0, report the port (atomically), serve until killed."""
+    """Moto's S3, recorded and with faults: :func:`serve`."""
     from moto.moto_server.werkzeug_app import (
         DomainDispatcherApplication,
         MotoRequestHandler,
         create_backend_app,
     )
+
+    serve(
+        DomainDispatcherApplication(create_backend_app),
+        S3Dialect(),
+        log_path,
+        port_file,
+        parent,
+        request_handler=MotoRequestHandler,
+    )
+
+
+def serve(
+    store: Callable[..., Iterable[bytes]],
+    dialect: Dialect,
+    log_path: Path,
+    port_file: Path,
+    parent: int | None,
+    port: int = 0,
+    **options: Any,
+) -> None:
+    """``store`` behind the fault and recording middlewares: bind 127.0.0.1:``port`` (0: a
+    free one), report the port (atomically), serve until killed (or the test process is
+    gone)."""
     from werkzeug.serving import make_server
 
     faults = _Faults()
-    app = _Recorder(
-        _Faulty(DomainDispatcherApplication(create_backend_app), faults), log_path, faults
-    )
-    server = make_server(HOST, 0, app, threaded=True, request_handler=MotoRequestHandler)
+    app = _Recorder(_Faulty(store, faults, dialect), log_path, faults, dialect)
+    server = make_server(HOST, port, app, threaded=True, **options)
     if parent is not None:
         threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
     tmp = port_file.with_suffix(".tmp")

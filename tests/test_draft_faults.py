@@ -16,14 +16,19 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import REPO, Events, Recorder, draft_tensors, engine_config, load_target_and_draft
+from conftest import (
+    Events,
+    Recorder,
+    child_pytest,
+    draft_tensors,
+    engine_config,
+    load_target_and_draft,
+)
 from hybrid_draft import settings
 
 pytestmark = pytest.mark.vllm
@@ -143,24 +148,7 @@ def test_child_a_shard_rewritten_after_the_plan(
 
 def test_a_shard_that_changes_under_the_reader_fails_the_load_and_the_process_lives() -> None:
     """The child tests above, in a process of their own: a SIGBUS would end it, not pytest."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(Path(__file__).relative_to(REPO)),
-            "-k",
-            "test_child_",
-        ],
-        cwd=REPO,
-        env={**os.environ, CHILD: "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = child_pytest(__file__, "test_child_", {CHILD: "1"}, timeout=900)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode != -signal.SIGBUS, f"the child died of SIGBUS:\n{tail}"
     assert proc.returncode == 0, tail

@@ -48,6 +48,8 @@ def tool(name: str, distribution: str) -> str:
 
 
 RELEASES_READ = "sed -n 's/^# vllm-releases: //p' pins.txt"
+#: scripts/test's read of the npm packages' comment line (a constraints file holds Python's).
+NPM_READ = "sed -n 's/^# npm: //p' pins.txt"
 
 
 # --- Dockerfile ----------------------------------------------------------------------------
@@ -126,8 +128,8 @@ def test_pins_are_a_constraints_file_and_the_scripts_read_them_so() -> None:
     ]
     assert all(re.fullmatch(r"[a-z0-9-]+==[\w.+]+", ln) for ln in lines), lines
     for script in ("scripts/test", "scripts/cpu-env.sh", "docker/install-layer.sh"):
-        # The one read of the releases' comment line aside.
-        text = (REPO / script).read_text().replace(RELEASES_READ, "")
+        # The reads of the releases' and the npm packages' comment lines aside.
+        text = (REPO / script).read_text().replace(RELEASES_READ, "").replace(NPM_READ, "")
         assert "pin()" not in text and "sed -n" not in text, script
     assert "--constraint pins.txt" in (REPO / "scripts" / "test").read_text()
     assert '--constraint "$PINS"' in (REPO / "scripts" / "cpu-env.sh").read_text()

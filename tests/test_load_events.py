@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -152,6 +153,35 @@ def test_a_load_that_raises_says_so_and_the_exception_is_unchanged(
         "the draft's weights are corrupt",
     )
     assert failed["seconds"] > 0
+    assert "failed_read" not in failed  # every shard it opened reads whole: nothing to name
+
+
+@pytest.mark.parametrize("cut", [1000, 0], ids=["truncated", "emptied"])
+def test_a_local_runai_target_that_fails_names_the_shard_it_cannot_read_whole(
+    qwen35: Path, tmp_path: Path, events: Events, vllm_runtime: Any, cut: int
+) -> None:
+    """Run:ai's error names no file; the target's ``load_failed`` does, and why."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized
+    from vllm.model_executor.model_loader import get_model
+
+    local = tmp_path / "checkpoint"
+    shutil.copytree(qwen35, local)
+    shard = sorted(local.glob("*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - cut] if cut else b"")
+    config = engine_config(local, load_format="runai_streamer")
+
+    with pytest.raises(Exception) as info, set_current_vllm_config(config):
+        ensure_model_parallel_initialized(1, 1)
+        get_model(vllm_config=config)
+
+    (failed,) = events.named("hybrid_draft.load_failed")
+    assert (failed["role"], failed["error_type"]) == ("target", type(info.value).__name__)
+    assert failed["error"] == str(info.value)  # the loader's own words, unchanged
+    read = failed["failed_read"]
+    assert (read["address"], read["status"], read["code"]) == (str(shard), None, None)
+    assert read["answer"].startswith(f"{shard}: ") and "\n" not in read["answer"]
 
 
 def test_an_invalid_setting_is_a_failed_load(

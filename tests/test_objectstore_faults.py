@@ -1,6 +1,9 @@
-"""Object storage that misbehaves: the draft of an ``s3://`` Run:ai target in real vLLM on the
-CPU, against a real S3-compatible server on loopback (moto's, ``tests/s3server.py``) that
-injects one fault at a time into the requests for the shard holding the MTP layer.
+"""Object storage that misbehaves: the draft of an ``s3://`` or ``gs://`` Run:ai target in real
+vLLM on the CPU, against a real server on loopback (moto's S3, ``tests/s3server.py``;
+fake-gcs-server, ``tests/objectservers.py``) that injects one fault at a time into the
+requests for the shard holding the MTP layer. The Run:ai Model Streamer serves one object
+store per process (the first it reads), so the ``gs://`` set runs in a child pytest of its
+own (``test_the_gs_fault_set_in_a_process_of_its_own``).
 
 Each fault, in the draft's plan or in its tensor stream, with the draft streaming its own
 tensors (``HYBRID_DRAFT_HOLD_BUDGET=0``) and taking them from the target's stream (one pass,
@@ -10,10 +13,14 @@ consistent version of it; a permanent fault is one ``load_failed`` naming the ob
 store's answer. The settings keep each case short: a 1 s timeout, 2 retries (Run:ai's client
 takes about 5 s to give up on a stalled request whatever its timeout).
 
-Nothing stands in for anything: vLLM's loaders, Run:ai's S3 client and boto3 run unchanged."""
+Nothing stands in for anything: vLLM's loaders, Run:ai's S3 and GCS clients, boto3 and
+google-cloud-storage run unchanged."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,11 +33,26 @@ from typing import Any
 
 import pytest
 
-from conftest import Events, assert_qwen35_draft_is_the_checkpoints, engine_config
+from conftest import Events, assert_qwen35_draft_is_the_checkpoints, child_pytest, engine_config
 from hybrid_draft.core import checkpoint
+from objectservers import (
+    AzureServer,
+    GCSServer,
+    azure_namespace_unavailable,
+    azure_tls,
+    in_azure_namespace,
+)
 from s3server import Fault, S3Server
 
 pytestmark = pytest.mark.vllm
+
+#: The store this process's fault set runs against (``gs`` or ``az`` in a child process).
+STORE_ENV = "HYBRID_DRAFT_TEST_FAULT_STORE"
+STORE = os.environ.get(STORE_ENV, "s3")
+#: The folder of :func:`objectservers.azure_tls`' files the ``az`` child's namespace mounts.
+AZURE_TLS_ENV = "HYBRID_DRAFT_TEST_AZURE_TLS"
+#: Set to 1 to run the ``az`` set (Run:ai's Azure client in namespaces of its own).
+AZURE_STREAM_ENV = "HYBRID_DRAFT_TEST_AZURE_STREAM"
 
 BUCKET = "models"
 TIMEOUT_S = 1
@@ -39,6 +61,20 @@ RETRIES = 2
 #: plan's two (length, header), then Run:ai's two (the same), then the tensors' ranges.
 PLAN_GETS = 2
 RUNAI_HEADER_GETS = 2
+#: The metadata reads of the MTP shard its plan sends first (GCS: its generation and size).
+PLAN_HEADS = 1 if STORE == "gs" else 0
+#: Why a case does not run against ``gs://``: Run:ai's GCS client (google-cloud-cpp) retries
+#: a 5xx and a stalled answer for up to 15 minutes, its default, which nothing of Run:ai's sets.
+GCS_RETRIES_ITS_OWN = pytest.mark.skipif(
+    STORE == "gs", reason="Run:ai's GCS client retries its own for up to 15 minutes"
+)
+#: Why a case does not run against ``az://``: Run:ai's Azure client keeps the Azure SDK's
+#: own bounds, which cut no answer that comes late or stalls.
+AZURE_WAITS_ITS_OWN = pytest.mark.skipif(
+    STORE == "az", reason="Run:ai's Azure client waits for a late or stalled answer"
+)
+#: The plan's retries of an answer cut mid-body: Azure's client reads it again itself, uncounted.
+CUT_RETRIED = 0 if STORE == "az" else 1
 
 
 # --- versions of the MTP shard --------------------------------------------------------------
@@ -83,7 +119,7 @@ def truncated(src: Path, dst: Path) -> Path:
 
 @dataclass
 class Store:
-    s3: S3Server
+    s3: S3Server | GCSServer | AzureServer
     uri: str
     #: The MTP shard: its object key, address, and local original.
     key: str
@@ -96,7 +132,19 @@ class Store:
 
     def put(self, body: Path | bytes) -> None:
         data = body.read_bytes() if isinstance(body, Path) else body
-        self.s3.client().put_object(Bucket=BUCKET, Key=self.key, Body=data)
+        if isinstance(self.s3, S3Server):
+            self.s3.client().put_object(Bucket=BUCKET, Key=self.key, Body=data)
+        else:
+            self.s3.put(BUCKET, self.key, data)
+
+    def version(self, data: bytes) -> str:
+        """The version the object holding ``data`` has now, as an error names it: S3's
+        ETag of an object put whole (its MD5), GCS's generation."""
+        if isinstance(self.s3, GCSServer):
+            return f"generation {self.s3.generation(BUCKET, self.key)}, {len(data):,} bytes"
+        if isinstance(self.s3, AzureServer):
+            return f"ETag {self.s3.etag(BUCKET, self.key)}, {len(data):,} bytes"
+        return f'ETag "{hashlib.md5(data).hexdigest()}", {len(data):,} bytes'
 
     def restore(self) -> None:
         self.s3.disarm()
@@ -130,7 +178,12 @@ def store(
         shutil.copytree(qwen35, copy)
         make(mtp.path, copy / mtp.path.name)
         local[kind] = copy
-    with S3Server() as s3, pytest.MonkeyPatch.context() as mp:
+    server: S3Server | GCSServer | AzureServer = S3Server()
+    if STORE == "gs":
+        server = GCSServer()
+    elif STORE == "az":
+        server = AzureServer(tls=Path(os.environ[AZURE_TLS_ENV]))
+    with server as s3, pytest.MonkeyPatch.context() as mp:
         for key, value in s3.env.items():
             mp.setenv(key, value)
         mp.setenv("VLLM_ASSETS_CACHE", str(root / "vllm-assets"))
@@ -142,7 +195,7 @@ def store(
             s3=s3,
             uri=uri,
             key=key,
-            address=f"s3://{BUCKET}/{key}",
+            address=f"{STORE}://{BUCKET}/{key}",
             shard=mtp.path,
             revalued_dir=local["revalued"],
             reshaped_dir=local["reshaped"],
@@ -239,7 +292,9 @@ def _loaded(events: Events) -> dict[str, Any]:
     ("fault", "retried"),
     [
         pytest.param(lambda key: Fault.throttle(key, 2), 2, id="plan-503-twice"),
-        pytest.param(lambda key: Fault.reset(key, sent=4, after=1), 1, id="plan-reset-mid-body"),
+        pytest.param(
+            lambda key: Fault.reset(key, sent=4, after=1), CUT_RETRIED, id="plan-reset-mid-body"
+        ),
         pytest.param(lambda key: Fault.delay(key, 5, times=1), 1, id="plan-answer-too-slow"),
         pytest.param(lambda key: Fault.throttle(key, 2, after=PLAN_GETS), 0, id="stream-503-twice"),
         pytest.param(
@@ -299,13 +354,6 @@ def _refused(own_stream: OwnStream, fault: Any) -> tuple[str, float, dict[str, A
     return str(info.value), took, store.s3.disarm()
 
 
-def _etag(data: bytes) -> str:
-    """The ETag the server gives an object put whole: its MD5, quoted."""
-    import hashlib
-
-    return f'"{hashlib.md5(data).hexdigest()}"'
-
-
 def _replace(body: str, **where: Any) -> Any:
     return lambda store: Fault.replace_with(store.key, getattr(store, body), **where)
 
@@ -314,13 +362,13 @@ def _replace(body: str, **where: Any) -> Any:
     ("fault", "body", "when"),
     [
         pytest.param(
-            _replace("other_offsets", methods=("HEAD",)),
+            _replace("other_offsets", methods=("HEAD",), after=PLAN_HEADS),
             "other_offsets",
             "before the draft's tensors were read",
             id="before-the-read-other-header",
         ),
         pytest.param(
-            _replace("replacement", methods=("HEAD",)),
+            _replace("replacement", methods=("HEAD",), after=PLAN_HEADS),
             "replacement",
             "before the draft's tensors were read",
             id="before-the-read-same-header",
@@ -363,6 +411,7 @@ def test_replaced_after_the_plan_the_draft_fails_naming_both_versions(
     from hybrid_draft.core.shardread import ShardChanged
 
     store = own_stream.store
+    planned = store.version(store.shard.read_bytes())
     store.s3.arm(fault(store))
 
     with pytest.raises(ShardChanged) as info:
@@ -371,12 +420,11 @@ def test_replaced_after_the_plan_the_draft_fails_naming_both_versions(
     assert store.s3.fault_state()["applied"] == 1
     failed = _failed(events, "ShardChanged")
     assert failed["error"] == str(info.value)
-    original, now = store.shard.read_bytes(), getattr(store, body).read_bytes()
+    now = store.version(getattr(store, body).read_bytes())
     assert failed["error"] == (
-        f"{store.address}: the object changed {when}: its header was read from "
-        f"(ETag {_etag(original)}, {len(original):,} bytes), it is now "
-        f"(ETag {_etag(now)}, {len(now):,} bytes); it was replaced or rewritten, and is not "
-        "read at the old header's offsets"
+        f"{store.address}: the object changed {when}: its header was read from ({planned}), "
+        f"it is now ({now}); it was replaced or rewritten, and is not read at the old header's "
+        "offsets"
     )
 
 
@@ -449,11 +497,13 @@ def test_a_plan_the_store_refuses_fails_once_naming_the_object_and_the_answer(
             lambda key: Fault.throttle(key, None, after=PLAN_GETS),
             "the object store answered 503 SlowDown",
             id="503-forever",
+            marks=GCS_RETRIES_ITS_OWN,
         ),
         pytest.param(
             lambda key: Fault.delay(key, 30, after=PLAN_GETS),
             f"no answer from the object store within {TIMEOUT_S} s (HYBRID_DRAFT_OBJECT_TIMEOUT)",
             id="no-answer",
+            marks=[GCS_RETRIES_ITS_OWN, AZURE_WAITS_ITS_OWN],
         ),
     ],
 )
@@ -470,6 +520,8 @@ def test_a_stream_the_store_refuses_fails_naming_the_object_and_the_answer(
     assert took < 90  # Run:ai's client: about 5 s per stalled attempt, 3 attempts
 
 
+@GCS_RETRIES_ITS_OWN
+@AZURE_WAITS_ITS_OWN
 def test_a_stalled_stream_fails_within_its_bound(own_stream: OwnStream, events: Events) -> None:
     """Headers and a few bytes, then nothing: Run:ai's client cuts each attempt."""
     from hybrid_draft.core.objectstore import ObjectStoreError
@@ -562,6 +614,62 @@ def test_one_pass_truncated_under_the_targets_stream_fails_the_target(
     (failed,) = events.named("hybrid_draft.load_failed")
     assert failed["role"] == "target"
     assert [e["role"] for e in events.named("hybrid_draft.loaded")] == []
+    # The layer asked again: the store answers, but the object is not a whole shard.
+    size, whole = clean.truncated_file.stat().st_size, clean.shard.stat().st_size
+    assert failed["failed_read"] == {
+        "address": clean.address,
+        "answer": f"{clean.address}: the object has {size:,} bytes, but its header describes "
+        f"{whole:,}: it is truncated, or not a whole safetensors file",
+        "status": None,
+        "code": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "code"),
+    [
+        pytest.param(Fault.deny, 403, "AccessDenied", id="403"),
+        pytest.param(
+            lambda key, **kw: Fault.throttle(key, None, **kw),
+            503,
+            "SlowDown",
+            id="503-forever",
+            marks=GCS_RETRIES_ITS_OWN,
+        ),
+    ],
+)
+def test_a_target_whose_reads_the_store_refuses_fails_naming_the_object_and_the_answer(
+    clean: Store,
+    qwen35: Path,
+    events: Events,
+    bounded: None,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: Any,
+    status: int,
+    code: str,
+) -> None:
+    """Every read of the MTP shard's bytes refused (the target's plan made before): vLLM's
+    error stays vLLM's, and the target's ``load_failed`` says which object and what the
+    store answered."""
+    from hybrid_draft.adapter import loadscope
+
+    monkeypatch.setenv("RUNAI_STREAMER_S3_MAX_RETRIES", "1")  # the user's own: a short run
+    config = engine_config(clean.uri, load_format="runai_streamer", config_dir=qwen35)
+    clean.s3.arm(fault(clean.key, after=PLAN_GETS))
+    started = time.monotonic()
+
+    with pytest.raises(ValueError, match="libstreamer"), loadscope.scope():
+        _target(config)
+
+    assert time.monotonic() - started < 120
+    (failed,) = events.named("hybrid_draft.load_failed")
+    assert (failed["role"], failed["error_type"]) == ("target", "ValueError")
+    assert failed["failed_read"] == {
+        "address": clean.address,
+        "answer": f"the object store answered {status} {code}",
+        "status": status,
+        "code": code,
+    }
 
 
 def test_one_pass_replaced_after_the_targets_stream_the_held_version_is_taken(
@@ -629,3 +737,31 @@ def test_plan_of_an_object_the_store_refuses_is_one_line_and_exit_2(
         f"hybrid-draft plan: {clean.address}: reading its header for the draft's plan: "
         "the object store answered 403 AccessDenied\n"
     )
+
+
+@pytest.mark.parametrize("other", ["gs", "az"])
+def test_the_fault_set_of_another_store_in_a_process_of_its_own(other: str, tmp_path: Path) -> None:
+    """This module's every case against fake-gcs-server (Run:ai's GCS client) or Azurite
+    (Run:ai's Azure client, over HTTPS as ``devstoreaccount1.blob.core.windows.net`` in a
+    network and mount namespace of the child's own), in a child pytest: Run:ai serves one
+    object store per process."""
+    if STORE != "s3":
+        pytest.skip("the child itself")
+    env, wrap = {STORE_ENV: other}, None
+    if other == "az":
+        if os.environ.get(AZURE_STREAM_ENV) != "1":
+            pytest.skip(
+                f"{AZURE_STREAM_ENV}=1 runs it: with other suites beside it, a request of "
+                "Run:ai's Azure client can stay open at the server past a target's load"
+            )
+        why = azure_namespace_unavailable()
+        if why is not None:
+            pytest.skip(why)
+        tls = azure_tls(tmp_path / "tls")
+        env[AZURE_TLS_ENV] = str(tls)
+        wrap = lambda argv: in_azure_namespace(argv, tls)  # noqa: E731
+    proc = child_pytest(__file__, "not in_a_process_of_its_own", env, wrap=wrap)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    skipped = {"gs": 4, "az": 2}[other]
+    assert re.search(rf"\b\d+ passed, {skipped} skipped\b", proc.stdout), tail

@@ -175,6 +175,18 @@ class Cost:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FailedRead:
+    """``failed_read`` of a ``load_failed`` whose error names no file: the shard or object
+    the layer found refused when it asked again, and the store's answer."""
+
+    address: str
+    answer: str
+    #: The HTTP status and the store's error code, where it answered with them.
+    status: int | None = None
+    code: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Loaded:
     """``hybrid_draft.loaded`` (``error_type``/``error`` absent) or ``load_failed``."""
 
@@ -190,3 +202,4 @@ class Loaded:
     one_pass: Opt[HoldFigures] = ABSENT
     error_type: Opt[str] = ABSENT
     error: Opt[str] = ABSENT
+    failed_read: Opt[FailedRead] = ABSENT

@@ -33,7 +33,7 @@ from hybrid_draft.adapter import (
     onepass,
     parts,
 )
-from hybrid_draft.core import draftread, figures, hold, policy
+from hybrid_draft.core import checkpoint, draftread, figures, hold, objectstore, policy
 from hybrid_draft.events import Sink, emit
 from hybrid_draft.records import ABSENT
 
@@ -187,7 +187,12 @@ class Load:
             where=self.where,
         )
 
-    def loaded_record(self, cost: records.Cost, exc: BaseException | None) -> records.Loaded:
+    def loaded_record(
+        self,
+        cost: records.Cost,
+        exc: BaseException | None,
+        failed_read: records.FailedRead | None = None,
+    ) -> records.Loaded:
         """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised ``exc``."""
         read, tap = self.read, self.tap
         held: records.HoldFigures | records.Absent = ABSENT
@@ -207,6 +212,7 @@ class Load:
             one_pass=held,
             error_type=type(exc).__name__ if exc is not None else ABSENT,
             error=str(exc) if exc is not None else ABSENT,
+            failed_read=failed_read or ABSENT,
         )
 
 
@@ -428,7 +434,7 @@ def _finish(load: Load, cost: figures.LoadStats, exc: BaseException | None) -> N
     """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised; a fault here is
     reported as ``hybrid_draft.layer_error``, never raised over the load's own outcome."""
     try:
-        record = load.loaded_record(cost.cost(), exc)
+        record = load.loaded_record(cost.cost(), exc, _failed_read(load, cost, exc))
         if exc is None:
             emit("hybrid_draft.loaded", sink=load.sink, **records.render(record))
         else:
@@ -442,6 +448,17 @@ def _finish(load: Load, cost: figures.LoadStats, exc: BaseException | None) -> N
         scope = loadscope.current()
         if load.role == "draft" and scope is not None:
             scope.release("the draft's load ended" if exc is None else "the draft's load failed")
+
+
+def _failed_read(
+    load: Load, cost: figures.LoadStats, exc: BaseException | None
+) -> records.FailedRead | None:
+    """For a load that failed in its loader's words (an error of the layer's own names its
+    file already), the shard the layer finds refused when it asks again, and why."""
+    if not isinstance(exc, Exception) or isinstance(exc, checkpoint.CheckpointError):
+        return None
+    opened = [f for f in cost.resolved if f not in cost.dropped]
+    return objectstore.failed_read(opened, objectstore.Access.of(load.snapshot))
 
 
 def layer_error(what: str, exc: BaseException, sink: Sink) -> None:

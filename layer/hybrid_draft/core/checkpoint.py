@@ -106,9 +106,14 @@ class ObjectVersion:
     version_id: str | None
     #: The object's whole size in bytes.
     size: int
+    #: A ``gs://`` object's generation, which names one version of it (None: another store).
+    generation: str | None = None
 
     def __str__(self) -> str:
-        parts = [f"ETag {self.etag}" if self.etag else "no ETag"]
+        if self.generation:
+            parts = [f"generation {self.generation}"]
+        else:
+            parts = [f"ETag {self.etag}" if self.etag else "no ETag"]
         if self.version_id:
             parts.append(f"version {self.version_id}")
         return f"{', '.join(parts)}, {self.size:,} bytes"

@@ -12,6 +12,13 @@ import json
 import sys
 from typing import Any
 
+#: What names each object store's endpoint, for the line of one that does not answer.
+_ENDPOINT_ENV = {
+    "s3": "AWS_ENDPOINT_URL",
+    "gs": "STORAGE_EMULATOR_HOST (CLOUD_STORAGE_EMULATOR_ENDPOINT)",
+    "az": "AZURE_STORAGE_CONNECTION_STRING (AZURE_STORAGE_ACCOUNT_NAME)",
+}
+
 
 def run(args: argparse.Namespace) -> int:
     import gc
@@ -106,9 +113,10 @@ def _remote(args: argparse.Namespace, skip_replaced: bool, current: Any) -> Any:
     worker.join(args.timeout)
     if worker.is_alive():
         shutil.rmtree(config_dir, ignore_errors=True)
+        endpoint = _ENDPOINT_ENV.get(str(args.model_dir).partition("://")[0].lower(), "")
         _fail(
             f"{args.model_dir}: no answer from the object store within {args.timeout:g} s "
-            "(--timeout); check the address, AWS_ENDPOINT_URL and the credentials"
+            f"(--timeout); check the address, {endpoint or 'the endpoint'} and the credentials"
         )
         sys.stderr.flush()
         os._exit(2)  # the client's thread cannot be stopped
