@@ -57,6 +57,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     FIGURES["start"] = time.monotonic()
+    FIGURES["disk_free_start_bytes"] = shutil.disk_usage(REPO).free
+    note_disk()
+
+
+def note_disk() -> None:
+    """The least free space seen on the repository's disk (the engine's data, buildah's
+    store and the run's files share it on a one-disk machine), after each step that fills
+    it: a figure of the run, which says how far it came from running out."""
+    free = shutil.disk_usage(REPO).free
+    FIGURES["disk_free_least_bytes"] = min(free, FIGURES.get("disk_free_least_bytes", free))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -67,6 +77,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         FIGURES["storage_bytes"] = buildah.Store.current().disk_bytes()
     except Exception as exc:  # the figures are a report, never a failure
         FIGURES["storage_bytes"] = repr(exc)
+    note_disk()
     if ENGINE_STARTED:
         FIGURES["docker_engine_bytes"] = ENGINE.disk_bytes()
         ENGINE.stop()
@@ -172,6 +183,7 @@ class Bases:
                 raise KeyError(kind)
             FIGURES.update(timings)
             FIGURES[f"base_{kind}_ready_s"] = time.monotonic() - start
+            note_disk()
         return self._tags[kind]
 
 
@@ -207,6 +219,7 @@ def built(kind: str) -> Built:
         log = WORK / f"image-build-{kind}.log"
         result = _BUILT[kind] = build_project(base, tag, log, kind)
         FIGURES[f"image_build_{kind}_s"] = time.monotonic() - start
+        note_disk()
         if result.returncode == 0:
             size, layers = buildah.Store.current().size_over(tag, base)
             FIGURES[f"layer_over_base_{kind}_bytes"] = size
@@ -357,6 +370,26 @@ def wheels_dir() -> Path:
     return path
 
 
+#: The kinds whose bases share no layer but Debian's with the official base's variants.
+OWN_FAMILY = ("venv", "arm64")
+_IN_ENGINE: list[str] = []  # the family of bases the engine holds now
+
+
+def in_engine(kind: str) -> str:
+    """The ``kind`` base, loaded into the engine. The engine holds one family of bases at a
+    time (the official base's variants share their 3.4 GB; the venv and arm64 bases have
+    their own): another family's images, containers and build cache, and what was baked on
+    it, go first, so that the disk holds one family beside buildah's store."""
+    family = kind if kind in OWN_FAMILY else "official"
+    if _IN_ENGINE and _IN_ENGINE[0] != family:
+        ENGINE.clear()
+        _BAKED.clear()
+    _IN_ENGINE[:] = [family]
+    loaded = ENGINE.load(BASES[kind])
+    note_disk()
+    return loaded
+
+
 def baked(kind: str) -> Baked:
     """The project's image on the ``kind`` base, built once per session by ``docker buildx
     bake`` as the README gives it; fails the test that asks when it does not build."""
@@ -364,7 +397,7 @@ def baked(kind: str) -> Baked:
         eng = ENGINE if ENGINE_STARTED else None
         assert eng is not None, "the engine fixture starts the engine first"
         start = time.monotonic()
-        base = eng.load(BASES[kind])
+        base = in_engine(kind)
         FIGURES[f"engine_load_base_{kind}_s"] = time.monotonic() - start
         target, variables, variable = BAKE[kind]
         variables = {
@@ -377,6 +410,7 @@ def baked(kind: str) -> Baked:
         start = time.monotonic()
         out = eng.bake(target, variables, log)
         FIGURES[f"bake_{kind}_s"] = time.monotonic() - start
+        note_disk()
         from buildfiles import bake_tags
 
         tag = bake_tags(target, variables)[0]

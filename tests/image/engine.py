@@ -221,16 +221,47 @@ class Engine:
     def load(self, image: str) -> str:
         """An image of buildah's storage, copied into this engine under the same name.
 
-        Through a docker-archive file (``buildah push IMAGE docker-archive:FILE``, then
-        ``docker load``): buildah's ``docker-daemon:`` transport (buildah 1.28) breaks off
-        against this engine ("read/write on closed pipe")."""
+        As a docker-archive stream (``buildah push IMAGE docker-archive:FIFO``, read by
+        ``docker load``), through a named pipe rather than a file: a base is 3.5 GB, which a
+        file would hold on the disk beside both stores. buildah's ``docker-daemon:``
+        transport (buildah 1.28) breaks off against this engine ("read/write on closed
+        pipe")."""
         if self.docker("image", "inspect", image, check=False).returncode == 0:
             return image
         with tempfile.TemporaryDirectory(prefix="hybrid-draft-load-", dir=SCRATCH) as tmp:
-            archive = Path(tmp) / "image.tar"
-            buildah.buildah("push", "--quiet", image, f"docker-archive:{archive}:{image}")
-            self.docker("load", "--quiet", "--input", str(archive))
+            fifo = Path(tmp) / "image.tar"
+            os.mkfifo(fifo)
+            load = subprocess.Popen(
+                [str(DOCKER), "load", "--quiet", "--input", str(fifo)],
+                cwd=REPO,
+                env=self.env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            push = None
+            try:
+                push = buildah.buildah(
+                    "push", "--quiet", image, f"docker-archive:{fifo}:{image}", check=False
+                )
+            finally:
+                if push is None or push.returncode != 0:
+                    load.kill()  # the pipe may never have been opened: nothing ends the read
+            loaded, _ = load.communicate(timeout=1800)
+            if push.returncode != 0 or load.returncode != 0:
+                raise RuntimeError(
+                    f"loading {image} into the engine: buildah push exited {push.returncode}"
+                    f" ({push.stderr.strip()[-2000:]}), docker load {load.returncode}"
+                    f" ({loaded.strip()[-2000:]})"
+                )
         return image
+
+    def clear(self) -> None:
+        """Remove every container, image and build cache entry, keeping the volumes (the
+        compose flow's checkpoint): the bases of one kind go before those of another come."""
+        self.docker("container", "prune", "--force")
+        self.docker("image", "prune", "--all", "--force")
+        self.docker("builder", "prune", "--all", "--force")
 
     def bake(
         self, target: str, variables: dict[str, str], log: Path

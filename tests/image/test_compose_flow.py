@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from buildfiles import REPO, image_vllm, pins, vllm_releases
-from conftest import LOCAL_VERSION, Baked, baked, python_info
+from conftest import LOCAL_VERSION, Baked, baked, note_disk, python_info
 from engine import CPU_COMPOSE, CPU_VARIABLES, Engine, Up, passed, stood_in_reads
 
 pytestmark = pytest.mark.image
@@ -79,6 +79,7 @@ def up(
     start = time.monotonic()
     out = engine.up(variables, log)
     figures[f"compose_up_{name}_s"] = time.monotonic() - start
+    note_disk()
     return Up(out.returncode, out.stdout, engine.volume_path("events"))
 
 
@@ -216,6 +217,18 @@ def test_smoke_judges_only_the_server_of_its_own_up(
     assert f"; {earlier} earlier event(s) not judged)):" in smoke, smoke
 
 
+def test_bake_built_what_compose_runs(engine: Engine) -> None:
+    """compose.yaml's default image is the tag ``docker buildx bake`` gives the local
+    target, built by bake in this engine, with the bake file's labels."""
+    image = baked("venv")
+    services = yaml.safe_load(engine.docker("compose", "-f", "compose.yaml", "config").stdout)
+    assert {s["image"] for s in services["services"].values()} == {image.tag}
+    labels = engine.image_labels(image.tag)
+    assert labels["org.opencontainers.image.base.name"] == image.base
+    assert labels["io.hybrid-draft.vllm.version"] == image_vllm()
+    assert REPO.joinpath("compose.yaml").is_file()
+
+
 def test_environment_wins_over_both(
     engine: Engine, custom_toml: Path, work: Path, figures: dict
 ) -> None:
@@ -267,18 +280,6 @@ def test_the_flow_serves_on_the_base(kind: str, engine: Engine, work: Path, figu
     events_file = result.events_dir / "hybrid-draft.jsonl"
     assert events_file.stat().st_uid == (2000 if kind == "official-nonroot" else 0)
     assert len(stood_in_reads(result)) == 1
-
-
-def test_bake_built_what_compose_runs(engine: Engine) -> None:
-    """compose.yaml's default image is the tag ``docker buildx bake`` gives the local
-    target, built by bake in this engine, with the bake file's labels."""
-    image = baked("venv")
-    services = yaml.safe_load(engine.docker("compose", "-f", "compose.yaml", "config").stdout)
-    assert {s["image"] for s in services["services"].values()} == {image.tag}
-    labels = engine.image_labels(image.tag)
-    assert labels["org.opencontainers.image.base.name"] == image.base
-    assert labels["io.hybrid-draft.vllm.version"] == image_vllm()
-    assert REPO.joinpath("compose.yaml").is_file()
 
 
 def test_the_previous_release_bakes_with_its_own_tag_and_passes_doctor(engine: Engine) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from buildfiles import REPO
-from conftest import PYTHON_INFO, WORK, Bases, python_info
+from conftest import PYTHON_INFO, WORK, Bases, in_engine, python_info
 from engine import CPU_VARIABLES, Engine, Up, passed, stood_in_reads
 from localbase import NEWER_INSTANTTENSOR, WHEELHOUSE
 from textmod import PATCHED
@@ -163,7 +163,7 @@ def test_the_mod_installs_offline_into_a_running_container_which_then_serves(
     base = bases["official"]
     before = python_info(base)["dists"]
     start = time.monotonic()
-    engine.load(base)
+    in_engine("official")
     figures["mod_engine_load_base_s"] = time.monotonic() - start
     with node(engine, base, "serve") as ctr:
         start = time.monotonic()
@@ -200,10 +200,8 @@ def test_the_mod_installs_offline_into_a_running_container_which_then_serves(
     assert len(stood_in_reads(result)) == 1  # the target's, through InstantTensor's read
 
 
-def test_the_mod_refuses_a_container_with_the_text_patch_mod(
-    engine: Engine, bases: Bases, mod_dir: Path
-) -> None:
-    base = engine.load(bases["stacked-mod"])
+def test_the_mod_refuses_a_container_with_the_text_patch_mod(engine: Engine, mod_dir: Path) -> None:
+    base = in_engine("stacked-mod")
     patched = f"{python_info(base)['purelib']}/{PATCHED}"
     with node(engine, base, "stacked") as ctr:
         before = dists_in(engine, ctr)
@@ -218,13 +216,11 @@ def test_the_mod_refuses_a_container_with_the_text_patch_mod(
     ]
 
 
-def test_the_mod_run_as_a_non_root_user_says_it_needs_root(
-    engine: Engine, bases: Bases, mod_dir: Path
-) -> None:
+def test_the_mod_run_as_a_non_root_user_says_it_needs_root(engine: Engine, mod_dir: Path) -> None:
     """In the non-root image `docker exec` runs as vllm, which can neither create
     /workspace/mods nor chmod what `docker cp` put there: --apply-mod stops before run.sh.
     A user who copies the mod in and runs it as vllm gets the reason in one line."""
-    base = engine.load(bases["official-nonroot"])
+    base = in_engine("official-nonroot")
     with node(engine, base, "nonroot") as ctr:
         assert engine.docker("exec", ctr, "mkdir", "-p", DEST, check=False).returncode != 0
         engine.docker("exec", "--user", "0", ctr, "mkdir", "-p", DEST)
