@@ -156,21 +156,31 @@ def test_a_load_that_raises_says_so_and_the_exception_is_unchanged(
     assert "failed_read" not in failed  # every shard it opened reads whole: nothing to name
 
 
+@pytest.mark.parametrize("load_format", ["runai_streamer", "fastsafetensors"])
 @pytest.mark.parametrize("cut", [1000, 0], ids=["truncated", "emptied"])
-def test_a_local_runai_target_that_fails_names_the_shard_it_cannot_read_whole(
-    qwen35: Path, tmp_path: Path, events: Events, vllm_runtime: Any, cut: int
+def test_a_local_target_that_fails_names_the_shard_it_cannot_read_whole(
+    qwen35: Path,
+    tmp_path: Path,
+    events: Events,
+    vllm_runtime: Any,
+    cut: int,
+    load_format: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    """Run:ai's error names no file; the target's ``load_failed`` does, and why."""
+    """Run:ai's and fastsafetensors' errors name no file; the target's ``load_failed``
+    does, and why."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized
     from vllm.model_executor.model_loader import get_model
 
+    if load_format == "fastsafetensors":
+        request.getfixturevalue("fastsafetensors_standin")
     local = tmp_path / "checkpoint"
     shutil.copytree(qwen35, local)
     shard = sorted(local.glob("*.safetensors"))[0]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - cut] if cut else b"")
-    config = engine_config(local, load_format="runai_streamer")
+    config = engine_config(local, load_format=load_format)
 
     with pytest.raises(Exception) as info, set_current_vllm_config(config):
         ensure_model_parallel_initialized(1, 1)
