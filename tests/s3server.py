@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -54,6 +56,8 @@ SECRET_ACCESS_KEY = "testing"
 REGION = "us-east-1"
 START_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 10.0
+#: Where the server writes its threads' stacks on SIGUSR1, in its folder.
+STACKS = "stacks.txt"
 _PIECE = 64 * 1024
 
 # What a client process must not inherit: each would steer it away from this server (another
@@ -391,9 +395,19 @@ class FaultServer:
             if time.monotonic() > deadline:
                 raise S3ServerError(
                     f"requests {sorted(open_.items())} still open after {timeout:.0f} s; "
-                    f"see {self.log_path}"
+                    f"see {self.log_path}; where the server's threads are:\n{self._stacks()}"
                 )
             time.sleep(0.02)
+
+    def _stacks(self) -> str:
+        """The server's threads' stacks (faulthandler, on SIGUSR1): where an open request
+        waits."""
+        if self._proc is None or self._proc.poll() is not None or self._dir is None:
+            return "(the server is not running)"
+        stacks = self._dir / STACKS
+        self._proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        return stacks.read_text()[-6000:] if stacks.exists() else "(no stacks written)"
 
     def _wait_for_port(self, port_file: Path, began: float) -> int:
         assert self._proc is not None
@@ -952,6 +966,8 @@ def serve(
     gone)."""
     from werkzeug.serving import make_server
 
+    stacks = (port_file.parent / STACKS).open("w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faults = _Faults()
     app = _Recorder(_Faulty(store, faults, dialect), log_path, faults, dialect)
     server = make_server(HOST, port, app, threaded=True, **options)
