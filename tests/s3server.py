@@ -893,7 +893,10 @@ def _cut(
 
 
 class _Counted:
-    """The app's body, counted as werkzeug writes it out; the record is written on ``close()``."""
+    """The app's body, counted as werkzeug writes it out; the record is written once the body
+    is handed over or abandoned, or on ``close()``, whichever comes first: werkzeug drains
+    the connection before it calls ``close()``, and a read that fails there (a TLS client
+    that sends again, then waits past the handler's timeout) skips the call."""
 
     def __init__(
         self, body: Iterable[bytes], rec: dict[str, Any], write: Callable[[dict[str, Any]], None]
@@ -904,15 +907,18 @@ class _Counted:
         self._done = False
 
     def __iter__(self) -> Iterator[bytes]:
-        for chunk in self._body:
-            # Moto hands over a whole range as one bytes object. In pieces, each counted once
-            # werkzeug's write (a blocking sendall) has returned and asked for the next, so a
-            # client that goes away mid-body is counted to within a piece, not as all of it.
-            for at in range(0, len(chunk), _PIECE):
-                piece = chunk[at : at + _PIECE] if len(chunk) > _PIECE else chunk
-                yield piece
-                self._rec["sent"] += len(piece)
-        self._rec["complete"] = True
+        try:
+            for chunk in self._body:
+                # Moto hands over a whole range as one bytes object. In pieces, each counted
+                # once werkzeug's write (a blocking sendall) has returned and asked for the
+                # next, so a client that goes away mid-body is counted to within a piece.
+                for at in range(0, len(chunk), _PIECE):
+                    piece = chunk[at : at + _PIECE] if len(chunk) > _PIECE else chunk
+                    yield piece
+                    self._rec["sent"] += len(piece)
+            self._rec["complete"] = True
+        finally:  # handed over, or abandoned (the generator closed when werkzeug drops it)
+            self.close()
 
     def close(self) -> None:
         if self._done:

@@ -205,3 +205,30 @@ def test_an_endpoint_that_refuses_connections_is_one_line_within_its_bound(
     )
     assert message.endswith(f"), retried {ACCESS.retries} times")
     assert "\n" not in message
+
+
+def test_a_failed_target_read_names_the_truncated_shard_over_one_that_answers_late(
+    server: GCSServer | AzureServer, uris: list[str], qwen35: Path
+) -> None:
+    """``failed_read`` after a target's load failed in its loader's words: one shard gives
+    no answer within the bound (as a busy store can for a whole shard), another is
+    truncated: the truncated one is named, with what its answer shows."""
+    late, cut = uris[0], uris[-1]
+    whole = _mtp(qwen35).read_bytes()
+    server.put(BUCKET, _key(cut), whole[:-1000])
+    server.arm(dataclasses.replace(Fault.delay(_key(late), 30), methods=("GET", "HEAD")))
+    read = objectstore.failed_read([late, cut], ACCESS)
+    assert read is not None
+    assert (read.address, read.status, read.code) == (cut, None, None)
+    assert read.answer == (
+        f"{cut}: the object has {len(whole) - 1000:,} bytes, but its header describes "
+        f"{len(whole):,}: it is truncated, or not a whole safetensors file"
+    )
+    server.disarm()
+    # With no answer from any other, the late one is named, as no answer in time.
+    server.arm(dataclasses.replace(Fault.delay(_key(late), 30), methods=("GET", "HEAD")))
+    read = objectstore.failed_read([late], ACCESS)
+    assert read is not None and read.address == late
+    assert read.answer == (
+        f"no answer from the object store within {ACCESS.timeout:g} s (HYBRID_DRAFT_OBJECT_TIMEOUT)"
+    )

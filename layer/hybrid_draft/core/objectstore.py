@@ -71,7 +71,12 @@ class Access:
 class ObjectStoreError(checkpoint.CheckpointError):
     """An object the layer could not read: one line naming its address and the object
     store's answer (HTTP status and the store's error code, no answer in time, no
-    connection)."""
+    connection). ``answered``: whether the store answered (a status, or an object found
+    wrong), as against no answer in time or no connection, which a busy store gives too."""
+
+    def __init__(self, message: str, *, answered: bool = True) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 def is_s3(uri: str) -> bool:
@@ -734,7 +739,8 @@ def _refused(uri: str, doing: str, failure: _Failure) -> ObjectStoreError:
     answer, and how often the request was retried."""
     return ObjectStoreError(
         f"{files.show_path(uri)}: {doing}: {failure.answer}"
-        + (f", retried {_times(failure.retried)}" if failure.retried else "")
+        + (f", retried {_times(failure.retried)}" if failure.retried else ""),
+        answered=failure.status is not None,
     )
 
 
@@ -935,42 +941,47 @@ def failed_read(paths: Sequence[str], access: Access) -> records.FailedRead | No
     the first of them that cannot be read whole, and why. An object is asked about as
     :func:`explain` asks (one read of its first byte: the store's answer, its status and
     code), then its header is read again, one attempt, and its size checked against it (a
-    truncated object); a local file's header is read again and checked the same way. None
-    where every one answers well, or there is none."""
+    truncated object); a local file's header is read again and checked the same way. An
+    answer (a refusal, a truncated shard) is preferred to no answer in time or no
+    connection, which a store under load gives for a shard that is whole. None where every
+    one answers well, or there is none."""
     if not paths:
         return None
     once = Access(access.timeout, retries=0)
     pool = ThreadPoolExecutor(max_workers=min(READERS, len(paths)))
     try:
-        for found in pool.map(lambda p: _whole(p, once), paths):
-            if found is not None:
-                return found
+        found = list(pool.map(lambda p: _whole(p, once), paths))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    return None
+    answered = [read for read, sure in found if read is not None and sure]
+    unanswered = [read for read, sure in found if read is not None and not sure]
+    return next(iter(answered or unanswered), None)
 
 
-def _whole(path: str, access: Access) -> records.FailedRead | None:
-    """Why ``path`` (an object or a local file) is not a whole shard (None: it is)."""
+def _whole(path: str, access: Access) -> tuple[records.FailedRead | None, bool]:
+    """Why ``path`` (an object or a local file) is not a whole shard (None: it is), and
+    whether that is an answer (False: no answer in time, or no connection)."""
     shown = files.show_path(path)
     if figures.is_object_uri(path):
         if not is_pinned(path):
-            return None
+            return None, True
         _found, refused = _ask(path, access)
         if refused is not None:
-            return records.FailedRead(
+            read = records.FailedRead(
                 address=shown, answer=refused.answer, status=refused.status, code=refused.code
             )
+            return read, refused.status is not None
     try:
         if figures.is_object_uri(path):
             _read_header(path, _Stores(access))
         else:
             checkpoint.read_shard(path)
     except (checkpoint.CheckpointError, _Again) as exc:
-        return records.FailedRead(address=shown, answer=str(exc))
+        answered = not isinstance(exc, ObjectStoreError) or exc.answered
+        return records.FailedRead(address=shown, answer=str(exc)), answered
     except OSError as exc:
-        return records.FailedRead(address=shown, answer=f"{shown}: {exc.strerror or exc}")
-    return None
+        return records.FailedRead(address=shown, answer=f"{shown}: {exc.strerror or exc}"), True
+    return None, True
 
 
 def runai_reason(failure: BaseException) -> str:
