@@ -752,7 +752,8 @@ def test_the_fault_set_of_another_store_in_a_process_of_its_own(other: str, tmp_
         if os.environ.get(AZURE_STREAM_ENV) != "1":
             pytest.skip(
                 f"{AZURE_STREAM_ENV}=1 runs it: with other suites beside it, a request of "
-                "Run:ai's Azure client can stay open at the server past a target's load"
+                "Run:ai's Azure client can outlast the cases' 1 s bound, and the retry moves "
+                "the request a fault is injected at"
             )
         why = azure_namespace_unavailable()
         if why is not None:
