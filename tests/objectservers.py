@@ -176,6 +176,23 @@ class _ProxiedServer(FaultServer):
             self.put(bucket, f"{prefix}/{rel}" if prefix else rel, path.read_bytes())
         return f"{self.SCHEME}://{bucket}/{prefix}" if prefix else f"{self.SCHEME}://{bucket}"
 
+    def _launch(
+        self, argv: list[str], log: Path, cwd: Path | None = None
+    ) -> subprocess.Popen[bytes]:
+        """The emulator started in a session of its own, its output into ``log``; it ends
+        with the test process."""
+        with log.open("wb") as out:
+            self._emulator = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        return self._emulator
+
     def _wait_answering(self, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
         deadline = time.monotonic() + self.start_timeout
         parsed = urllib.parse.urlsplit(url)
@@ -220,32 +237,27 @@ class GCSServer(_ProxiedServer):
         log = scratch / f"fake-gcs-{os.getpid()}-{time.monotonic_ns()}.out"
         for _attempt in range(3):  # it reports no port of its own: a free one, retried
             port = _free_port()
-            with log.open("wb") as out:
-                self._emulator = subprocess.Popen(
-                    [
-                        str(binary),
-                        "-scheme",
-                        "http",
-                        "-backend",
-                        "memory",
-                        "-host",
-                        HOST,
-                        "-port",
-                        str(port),
-                        "-log-level",
-                        "error",
-                    ],
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
+            emulator = self._launch(
+                [
+                    str(binary),
+                    "-scheme",
+                    "http",
+                    "-backend",
+                    "memory",
+                    "-host",
+                    HOST,
+                    "-port",
+                    str(port),
+                    "-log-level",
+                    "error",
+                ],
+                log,
+            )
             url = f"http://{HOST}:{port}"
             try:
-                self._wait_answering(url, self._emulator, log)
+                self._wait_answering(url, emulator, log)
             except S3ServerError:
-                _end(self._emulator)
+                _end(emulator)
                 continue
             log.unlink(missing_ok=True)
             return url
@@ -411,35 +423,30 @@ class AzureServer(_ProxiedServer):
         if why is not None:
             raise S3ServerError(why)
         log = scratch / f"azurite-{os.getpid()}-{time.monotonic_ns()}.out"
-        with log.open("wb") as out:
-            self._emulator = subprocess.Popen(
-                [
-                    str(AZURITE),
-                    "--blobHost",
-                    HOST,
-                    "--blobPort",
-                    "0",
-                    "--inMemoryPersistence",
-                    "--skipApiVersionCheck",
-                    "--disableTelemetry",
-                    "--loose",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=scratch,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+        emulator = self._launch(
+            [
+                str(AZURITE),
+                "--blobHost",
+                HOST,
+                "--blobPort",
+                "0",
+                "--inMemoryPersistence",
+                "--skipApiVersionCheck",
+                "--disableTelemetry",
+                "--loose",
+            ],
+            log,
+            cwd=scratch,
+        )
         deadline = time.monotonic() + self.start_timeout
         while True:  # it binds port 0 itself and says which port it got
             found = re.search(rb"successfully listens on (http://[\d.]+:\d+)", log.read_bytes())
             if found:
                 url = found.group(1).decode()
-                self._wait_answering(url, self._emulator, log)
+                self._wait_answering(url, emulator, log)
                 log.unlink(missing_ok=True)
                 return url
-            if self._emulator.poll() is not None or time.monotonic() > deadline:
+            if emulator.poll() is not None or time.monotonic() > deadline:
                 raise S3ServerError(f"Azurite did not start; see {log}:\n{_tail(log)}")
             time.sleep(0.05)
 
