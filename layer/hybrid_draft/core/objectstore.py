@@ -111,6 +111,12 @@ class _Failure(Exception):
         self.answer, self.status, self.code = answer, status, code
         self.retried, self.changed, self.cut = retried, changed, cut
 
+    @property
+    def answered(self) -> bool:
+        """Whether the store answered (with a status), as against no answer in time or no
+        connection."""
+        return self.status is not None
+
 
 def _refusal(status: int | None, code: str | None, retried: int, changed: bool = False) -> _Failure:
     """A request the store answered with an error: its status and code; ``changed`` where
@@ -740,7 +746,7 @@ def _refused(uri: str, doing: str, failure: _Failure) -> ObjectStoreError:
     return ObjectStoreError(
         f"{files.show_path(uri)}: {doing}: {failure.answer}"
         + (f", retried {_times(failure.retried)}" if failure.retried else ""),
-        answered=failure.status is not None,
+        answered=failure.answered,
     )
 
 
@@ -970,7 +976,7 @@ def _whole(path: str, access: Access) -> tuple[records.FailedRead | None, bool]:
             read = records.FailedRead(
                 address=shown, answer=refused.answer, status=refused.status, code=refused.code
             )
-            return read, refused.status is not None
+            return read, refused.answered
     try:
         if figures.is_object_uri(path):
             _read_header(path, _Stores(access))
