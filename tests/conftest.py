@@ -158,6 +158,19 @@ def deepseek(ckpt_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def step2(deepseek: Path, ckpt_root: Path) -> Path:
+    """The next training step's checkpoint of ``deepseek``: the same model, every tensor
+    different (another seed)."""
+    return _write(
+        ckpt_root,
+        "deepseek-step2",
+        synth.deepseek_v3("tiny", moe=False),
+        num_shards=3,
+        mtp_own_shard=True,
+    )
+
+
+@pytest.fixture(scope="session")
 def glm(ckpt_root: Path) -> Path:
     """GLM-4.5-style MoE with one (MoE) MTP layer in a shard of its own."""
     return _write(ckpt_root, "glm", synth.glm4_moe("tiny"), num_shards=3, mtp_own_shard=True)

@@ -191,6 +191,35 @@ def serving_dtype() -> str:
     return "bfloat16" if amx() else "float32"
 
 
+#: The MLA attention backend of a served model whose weights a test reloads or updates in
+#: place, on every host: AMX_MLA packs W_UK/W_UV into kernel tensors that vLLM's layerwise
+#: reload cannot restore (``_copy_and_restore_kernel_tensors``: "The size of tensor a (0)
+#: must match the size of tensor b (512)"), with the layer or without it; CPU_MLA keeps them
+#: as its processing made them. tests/e2e/test_isa.py shows both on an AMX host's selection.
+RELOAD_MLA_BACKEND = "CPU_MLA"
+
+
+def reload_serving() -> dict[str, str]:
+    """The engine arguments of a served model whose weights a test reloads or updates, the
+    same on every host: CPU_MLA for the target and its draft (``attention_backend``, which
+    the speculative config takes too), in float32, which CPU_MLA computes in everywhere (and
+    which keeps vLLM's AMX GEMM, bfloat16 only, off an AMX host's linear layers too)."""
+    return {"dtype": "float32", "attention_backend": RELOAD_MLA_BACKEND}
+
+
+def reload_server_flags() -> list[str]:
+    """:func:`reload_serving` as the OpenAI server's command-line flags (later flags win)."""
+    args = reload_serving()
+    return [
+        "--dtype",
+        args["dtype"],
+        "--attention-backend",
+        args["attention_backend"],
+        "--speculative-config.attention_backend",
+        args["attention_backend"],
+    ]
+
+
 def kernel_library() -> str:
     """The kernel library vLLM's CPU build loads on this x86 host.
 

@@ -358,12 +358,30 @@ def test_bench_never_overwrites_a_directory_it_did_not_write(tmp_path: Path) -> 
         (["--completions", "0"], "argument --completions: 0 is out of range"),
         (["--url", "localhost:8000"], "argument --url: 'localhost:8000' is not an http://"),
         (["--mode", "fastest"], "argument --mode: 'fastest' is not a mode"),
+        (["--min-acceptance", "2"], "argument --min-acceptance: '2' is not a number from 0 to 1"),
+        (["--min-acceptance", "abc"], "argument --min-acceptance: 'abc' is not a number"),
+        (["--min-acceptance", "nan"], "argument --min-acceptance: 'nan' is not a finite number"),
         ([], "no events file"),
     ],
 )
 def test_smoke_arguments(args: list[str], fragment: str) -> None:
     out = cli("smoke", *args, env={"HYBRID_DRAFT_EVENTS_FILE": ""})
     one_line_error(out, "hybrid-draft smoke", fragment)
+
+
+def test_smoke_floor_and_model_dir_it_cannot_use(tmp_path: Path) -> None:
+    """Refused before any request: compose's SMOKE_MIN_ACCEPTANCE, a --model-dir that is not
+    a directory, or one whose index is not JSON."""
+    events = ["--events-file", str(tmp_path / "events.jsonl"), "--url", "http://127.0.0.1:9"]
+    out = cli("smoke", *events, env={"SMOKE_MIN_ACCEPTANCE": "-1"})
+    one_line_error(
+        out, "hybrid-draft smoke: SMOKE_MIN_ACCEPTANCE: '-1' is not a number from 0 to 1"
+    )
+    out = cli("smoke", *events, "--model-dir", str(tmp_path / "none"))
+    one_line_error(out, f"hybrid-draft smoke: --model-dir {tmp_path / 'none'}: not a directory")
+    (tmp_path / "model.safetensors.index.json").write_text("{")
+    out = cli("smoke", *events, "--model-dir", str(tmp_path))
+    one_line_error(out, "hybrid-draft smoke: --model-dir: ", "not valid JSON")
 
 
 # --- any command -------------------------------------------------------------------------------

@@ -336,6 +336,11 @@ def test_compose_services() -> None:
         "volumes"
     ]
     assert "/events/hybrid-draft.jsonl" in smoke["command"]
+    # smoke reads the served checkpoint's claim that its draft agrees, read-only.
+    model_dir = smoke["command"].index("--model-dir")
+    assert smoke["command"][model_dir + 1] == "/model"
+    assert "default-model:/model:ro" in smoke["volumes"]
+    assert smoke["environment"]["SMOKE_MIN_ACCEPTANCE"] == ""
     assert "/health" in " ".join(server["healthcheck"]["test"])
     assert server["healthcheck"]["start_period"] == "60m"
     assert smoke["depends_on"] == {"server": {"condition": "service_healthy"}}
@@ -346,6 +351,7 @@ def test_compose_services() -> None:
             "INSTANTTENSOR_DRAFT_LOADER": "selective",
             "MODEL_DIR": "/srv/m",
             "HYBRID_DRAFT_CONFIG_FILE": "/etc/x.toml",
+            "SMOKE_MIN_ACCEPTANCE": "0.5",
         }
     )
     for name in ("server", "smoke"):
@@ -358,6 +364,8 @@ def test_compose_services() -> None:
             "read_only": True,
         } in svc["volumes"]
     assert "/srv/m:/model:ro" in passthrough["services"]["server"]["volumes"]
+    assert "/srv/m:/model:ro" in passthrough["services"]["smoke"]["volumes"]
+    assert passthrough["services"]["smoke"]["environment"]["SMOKE_MIN_ACCEPTANCE"] == "0.5"
     # Unset, the variable is passed as empty, which the layer reads as unset.
     assert server["environment"]["INSTANTTENSOR_DRAFT_LOADER"] == ""
 

@@ -341,3 +341,22 @@ def test_report_compares_ranks_whatever_the_field_types(tmp_path: Path) -> None:
     (entry,) = summary["inconsistent"]
     assert entry["ranks"] == [1] and entry["model"] == '["/m"]'
     assert report.inconsistent(iter([json.loads(x) for x in lines[:2]]))[0]["ranks"] == [1]
+
+
+def test_report_compares_each_ranks_sessions_in_order(tmp_path: Path) -> None:
+    """A server's ranks update their weights together: each rank's n-th session's decision is
+    compared with the others' n-th, never with its own first load's."""
+    session = {"trigger": "weight_update", "backend": "nccl", "session": "target"}
+    taken = {**session, "chosen_format": "weight_transfer", "reason": "weight_update"}
+    kept = {**session, "action": "kept", "reason": "no_draft_tensors"}
+    lines = [
+        *(_decision(rank) for rank in (0, 1)),
+        *(_decision(rank, **taken) for rank in (0, 1)),
+        *(_decision(rank, **kept) for rank in (0, 1)),
+    ]
+    assert json.loads(_report(tmp_path, lines, "--json").stdout)["inconsistent"] == []
+    lines.append(_decision(0, **taken))
+    lines.append(_decision(1, **kept))  # the third session: rank 1 kept its draft's weights
+    (entry,) = json.loads(_report(tmp_path, lines, "--json").stdout)["inconsistent"]
+    assert entry["ranks"] == [1]
+    assert entry["detail"].startswith("weight_update 3: rank(s) 0: ")

@@ -38,7 +38,6 @@ from conftest import (
     reloads,
     storage,
 )
-from hybrid_draft.tools import synth
 
 pytestmark = pytest.mark.vllm
 
@@ -46,19 +45,6 @@ pytestmark = pytest.mark.vllm
 def boot_draft(model_dir: Path) -> dict[str, torch.Tensor]:
     """The draft's parameters as vLLM loads them from ``model_dir`` at a first load."""
     return params(load_target_and_draft(engine_config(model_dir, load_format="safetensors")).draft)
-
-
-@pytest.fixture(scope="module")
-def step2(deepseek: Path) -> Iterator[Path]:
-    """The next training step's checkpoint of ``deepseek``: the same model, every tensor
-    different (another seed)."""
-    out = deepseek.parent / "deepseek-step2"
-    if not (out / "config.json").exists():
-        layout = synth.deepseek_v3("tiny", moe=False)
-        synth.write_checkpoint(
-            out, layout, synth.shard(layout, num_shards=3, mtp_own_shard=True), seed=2
-        )
-    yield out
 
 
 @pytest.fixture(scope="module")

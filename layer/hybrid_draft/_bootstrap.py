@@ -23,8 +23,9 @@ if TYPE_CHECKING:
     from types import ModuleType
 
 #: Modules whose execution triggers a hook, and the hook (``module:function``) to call:
-#: the model loader's ``get_model``, the model runners, and vLLM's two ways of handing the
-#: environment to Ray workers (``adapter/ray_env.py``), so the settings reach every node.
+#: the model loader's ``get_model``, the model runners, the worker (a trainer's weight-transfer
+#: sessions), and vLLM's two ways of handing the environment to Ray workers
+#: (``adapter/ray_env.py``), so the settings reach every node.
 HOOKS = {
     "vllm.model_executor.model_loader": "hybrid_draft.adapter.patch:on_model_loader",
     # The model runners' load_model: the scope a one-pass hold lives in; their
@@ -32,6 +33,8 @@ HOOKS = {
     "vllm.v1.worker.gpu_model_runner": "hybrid_draft.adapter.runners:on_runner",
     "vllm.v1.worker.cpu_model_runner": "hybrid_draft.adapter.runners:on_runner",
     "vllm.v1.worker.gpu.model_runner": "hybrid_draft.adapter.runners:on_runner",
+    # The worker's weight-transfer sessions: the draft updated with its target.
+    "vllm.v1.worker.gpu_worker": "hybrid_draft.adapter.workers:on_worker",
     "vllm.ray.ray_env": "hybrid_draft.adapter.ray_env:on_ray_env",
     "vllm.v1.executor.ray_env_utils": "hybrid_draft.adapter.ray_env:on_ray_env_utils",
 }

@@ -121,10 +121,15 @@ class Decision:
     revision: str | None = None
     target_model: Opt[str | None] = ABSENT
     target_revision: Opt[str | None] = ABSENT
-    #: ``load``: the model's first load; ``reload``: a reload of its weights in place.
+    #: ``load``: the model's first load; ``reload``: a reload of its weights in place;
+    #: ``weight_update``: a trainer's weight-transfer session.
     trigger: str = "load"
     #: A reload's: where the target's new weights come from (``policy.ReloadSource``).
     reload_source: Opt[str] = ABSENT
+    #: A weight-transfer session's: its backend, and the model it loads into (``target``, or
+    #: ``draft`` for vLLM's own draft session).
+    backend: Opt[str] = ABSENT
+    session: Opt[str] = ABSENT
     #: A target's.
     one_pass: Opt[OnePass] = ABSENT
     #: A draft's, from here to ``process_group``.
@@ -196,10 +201,17 @@ class Loaded:
     tensor_filter: bool
     trigger: str = "load"
     reload_source: Opt[str] = ABSENT
+    backend: Opt[str] = ABSENT
+    session: Opt[str] = ABSENT
     cost: Cost = dataclasses.field(metadata={"flatten": Cost})
     where: Where = dataclasses.field(metadata={"flatten": Where})
     sources: Opt[Sources] = ABSENT
     one_pass: Opt[HoldFigures] = ABSENT
+    #: A weight-transfer session's: the ``update_weights`` calls (chunks) whose tensors the
+    #: model took (for a draft fed from its target's session, those that carried any of
+    #: its tensors), and the seconds its loads of them took inside those calls.
+    chunks: Opt[int] = ABSENT
+    chunk_seconds: Opt[float] = ABSENT
     error_type: Opt[str] = ABSENT
     error: Opt[str] = ABSENT
     failed_read: Opt[FailedRead] = ABSENT

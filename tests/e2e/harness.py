@@ -17,12 +17,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import requests
 
 import hostcpu
+
+if TYPE_CHECKING:
+    from hybrid_draft.tools.smoke import Acceptance
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).resolve().parent / "standin"
@@ -310,9 +313,11 @@ def serving(
     work: Path,
     tensor_parallel: int = 1,
     settings: dict[str, str] | None = None,
+    server_class: type[Server] = Server,
 ) -> Iterator[Server]:
-    """A started, healthy server; stopped on the way out, whatever happened."""
-    server = Server(
+    """A started, healthy server (of ``server_class``); stopped on the way out, whatever
+    happened."""
+    server = server_class(
         name, mode, checkpoint, tensor_parallel, cpu_env, work, settings=dict(settings or {})
     )
     try:
@@ -322,3 +327,53 @@ def serving(
         yield server
     finally:
         server.stop()
+
+
+# --- the draft's acceptance ------------------------------------------------------------------
+
+#: What :func:`acceptance` completes: any text encodes with the generated checkpoints'
+#: byte-level tokenizer, and every prompt is longer than one token (an MTP layer's proposal
+#: at position 0 is masked).
+ACCEPTANCE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Speculative decoding")
+
+
+def acceptance(
+    server: Server, prompts: tuple[str, ...] = ACCEPTANCE_PROMPTS, max_tokens: int = 32
+) -> Acceptance:
+    """The draft's acceptance over greedy completions of ``prompts`` by a running ``server``:
+    vLLM's accepted and drafted counters, read from ``/metrics`` before and after them
+    (:func:`hybrid_draft.tools.smoke.acceptance`). On a checkpoint make-checkpoint generated
+    (its MTP draft agrees with its target by construction) every proposal is accepted,
+    ``accepted == drafted > 0``, in float32 and bfloat16; a draft loaded wrong gets few or
+    none accepted.
+
+    The same for vLLM's offline ``LLM`` (built with ``disable_log_stats=False``, which
+    registers the spec-decode counters in the Prometheus registry of the ``LLM``'s process,
+    the engine in process or not): ``before = prometheus_client.generate_latest().decode()``,
+    ``llm.generate(prompts, SamplingParams(max_tokens=N, temperature=0, ignore_eos=True))``,
+    ``after`` the same way, then ``smoke.acceptance(before, after)``. (``llm.get_metrics()``
+    holds the same counters, ``vllm.v1.metrics.reader.Counter`` objects named
+    ``vllm:spec_decode_num_accepted_tokens`` and ``vllm:spec_decode_num_draft_tokens``.)
+    """
+    from hybrid_draft.tools import smoke
+
+    def metrics() -> str:
+        answer = requests.get(f"{server.url}/metrics", timeout=30)
+        answer.raise_for_status()
+        return answer.text
+
+    before = metrics()
+    for prompt in prompts:
+        answer = requests.post(
+            f"{server.url}/v1/completions",
+            json={
+                "model": str(server.checkpoint.path),
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=600,
+        )
+        answer.raise_for_status()
+    return smoke.acceptance(before, metrics())

@@ -12,6 +12,13 @@ library that holds it (vLLM's ``_C``, built for AVX-512); nothing here computes 
 instructions (no forward pass). With ``--select host`` (the default) nothing is answered for
 vLLM: the load is what this host serves with.
 
+With ``--reload``, each case's target is then reloaded in place from its own checkpoint by
+vLLM's layerwise reload (``initialize_layerwise_reload``, the model's ``load_weights``,
+``finalize_layerwise_reload``: what ``reload_weights`` and a weight-transfer session run),
+which restores the kernel tensors each layer's processing made: ``"reload"`` is ``"ok"`` or
+the error it stopped with. A case may name the MLA attention backend for its target and
+draft (``NAME=DIR:DTYPE:BACKEND``).
+
 Prints one JSON object: per case, what was selected, or the error the load stopped with;
 under ``"host"``, the kernel library vLLM loaded (``CpuPlatform.import_kernels``: the file
 mapped into this process) and whether it has the shared-memory communicator's
@@ -97,10 +104,41 @@ def _host() -> dict[str, Any]:
     }
 
 
+def _reload(model: Any, config: Any, checkpoint: str) -> str:
+    """Reload ``model`` in place from ``checkpoint`` by vLLM's layerwise reload."""
+    import glob
+    import os
+
+    from safetensors.torch import load_file
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    def weights() -> Any:
+        for path in sorted(glob.glob(os.path.join(checkpoint, "*.safetensors"))):
+            yield from load_file(path).items()
+
+    try:
+        initialize_layerwise_reload(model)
+        model.load_weights(weights())
+        finalize_layerwise_reload(model, config.model_config)
+    except Exception as e:
+        text = str(e).splitlines()[0] if str(e) else ""
+        return f"{type(e).__name__}: {text}"
+    return "ok"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--case", action="append", required=True, help="NAME=CHECKPOINT_DIR:DTYPE, repeated"
+        "--case",
+        action="append",
+        required=True,
+        help="NAME=CHECKPOINT_DIR:DTYPE[:MLA_BACKEND], repeated",
+    )
+    parser.add_argument(
+        "--reload", action="store_true", help="then reload each target in place, layerwise"
     )
     parser.add_argument(
         "--select",
@@ -124,15 +162,17 @@ def main() -> None:
     joined = False  # one world of one rank for every load of this process
     for case in args.case:
         name, _, rest = case.partition("=")
-        checkpoint, _, dtype = rest.rpartition(":")
+        checkpoint, dtype, *backend = rest.split(":")
+        named: dict[str, Any] = {"attention_backend": backend[0]} if backend else {}
         config = EngineArgs(
             model=checkpoint,
             load_format="safetensors",
-            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1, **named},
             dtype=dtype,
             max_model_len=128,
             enforce_eager=True,
             skip_tokenizer_init=True,
+            **named,
         ).create_engine_config()
         result: dict[str, Any] = out.setdefault(name, {})
         with set_current_vllm_config(config):
@@ -146,6 +186,8 @@ def main() -> None:
                 proposer = EagleProposer(config, torch.device("cpu"), runner=None)
                 proposer.load_model(target)
                 result["draft"] = _selected(proposer.model, config)
+                if args.reload:
+                    result["reload"] = _reload(target, config, checkpoint)
             except Exception as e:  # the answer the test reads: what an AMX host would hit
                 text = str(e).splitlines()[0] if str(e) else ""
                 result["error"] = f"{type(e).__name__}: {text}"

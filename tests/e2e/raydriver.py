@@ -4,7 +4,9 @@ installed, ``ray`` on ``PYTHONPATH``) against a running two-node Ray cluster.
 It computes the workers' environment with vLLM's own env-copy functions, as vLLM's Ray code
 does, and hands it to one actor per node (resources ``node_a`` and ``node_b``): the two
 ranks of one tensor-parallel world (gloo), each loading the target and its MTP draft with
-vLLM's ``get_model`` and ``EagleProposer``, as a worker does. Three routes, in this order:
+vLLM's ``get_model`` and ``EagleProposer``, as a worker does, then saying how much of the
+vocabulary its loaded draft predicts as its target does (``draft_agreement``: 1.0 on
+make-checkpoint's checkpoint, loaded right). Three routes, in this order:
 
 - ``vllm_alone``: vLLM's ``get_env_vars_to_copy`` as vLLM ships it (the layer's wrapper's
   ``__wrapped__``), as the actors' Ray ``runtime_env``, the way vLLM 0.33's Ray
@@ -110,13 +112,38 @@ class Rank:
             init_distributed_environment(2, rank, init_method, 0, "gloo")
             ensure_model_parallel_initialized(2, 1)
             target = get_model(vllm_config=config)
-            EagleProposer(config, torch.device("cpu"), runner=None).load_model(target)
+            proposer = EagleProposer(config, torch.device("cpu"), runner=None)
+            proposer.load_model(target)
+            agreement = draft_agreement(target, proposer.model)
         return {
             "node": socket.gethostname(),
             "pid": os.getpid(),
             "rank": load.rank(),
             "settings": settings.load().as_dict(),
+            "agreement": agreement,
         }
+
+
+def draft_agreement(target: Any, draft: Any) -> float:
+    """The share of tokens whose next token the loaded draft predicts as its target does,
+    by vLLM's own modules of both (make-checkpoint's checkpoint: every block passes its input
+    through, so the target's next token is its embedding's, normed, through its head, and the
+    draft's the next token's embedding through its norms, projection, shared head). 1.0 where
+    the draft was loaded right (the draft agrees by construction). Every rank calls it in the
+    same order: the sharded embedding and head gather across the tensor-parallel world. The
+    actors serve nothing: this is what stands for acceptance here."""
+    import torch
+
+    vocab = target.config.vocab_size
+    ids = torch.arange(vocab)
+    with torch.no_grad():
+        hidden = target.model.norm(target.model.embed_tokens(ids))
+        expected = target.compute_logits(hidden)[:, :vocab].argmax(-1)
+        (layer,) = draft.model.layers.values()
+        other = hidden.roll(1, 0)  # another token's hidden state: the draft must not need it
+        joined = torch.cat([layer.enorm(draft.embed_input_ids(ids)), layer.hnorm(other)], -1)
+        predicted = draft.compute_logits(layer.eh_proj(joined))[:, :vocab].argmax(-1)
+    return float((predicted == expected).float().mean())
 
 
 def _free_port() -> int:

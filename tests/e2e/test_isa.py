@@ -140,6 +140,52 @@ def test_each_served_preset_loads_with_the_amx_kernels(probed: dict[str, dict], 
             assert selected["attention"] == ["AMXMLAImpl"], selected
 
 
+@pytest.fixture(scope="module")
+def reloaded(cpu_env: CpuEnv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The reload tests' dense DeepSeek-V3 preset loaded and reloaded in place as an AMX host
+    selects: with the choice every reload test names (tests/hostcpu.py), and as vLLM picks."""
+    unavailable = hostcpu.amx_kernels_unavailable()
+    if unavailable is not None:
+        pytest.skip(f"an AMX host's kernels cannot be checked here: {unavailable}")
+    dense = tmp_path_factory.mktemp("isa-reload") / "deepseek_v3"
+    layout = synth.deepseek_v3("cpu", moe=False)
+    synth.write_checkpoint(dense, layout, synth.shard(layout, num_shards=2), seed=3)
+    synth.write_tokenizer(dense, layout.config["vocab_size"])
+    chosen = hostcpu.reload_serving()
+    with hostcpu.force_amx():
+        amx_dtype = hostcpu.serving_dtype()
+    cases = [
+        f"named={dense}:{chosen['dtype']}:{chosen['attention_backend']}",
+        f"picked={dense}:{amx_dtype}",  # control: what vLLM picks on an AMX host
+    ]
+    with Timer("isa: the reload tests' choice reloaded as on an AMX host"):
+        out = run(
+            [cpu_env.python, REPO / "tests/e2e/isaprobe.py", "--select=amx", "--reload"]
+            + [f"--case={c}" for c in cases],
+            env=cpu_env.env(),
+            timeout=900,
+            what="tests/e2e/isaprobe.py --select=amx --reload",
+        )
+    result: dict[str, dict] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_an_amx_host_reloads_the_weights_of_what_the_reload_tests_serve(
+    reloaded: dict[str, dict],
+) -> None:
+    """Every served test that reloads or updates weights names CPU_MLA in float32: an AMX
+    host then reloads in place; with vLLM's own pick there (AMX_MLA, bfloat16) its layerwise
+    reload stops at the packed kernel tensors, with the layer or without it."""
+    named = reloaded["named"]
+    assert "error" not in named, named
+    assert named["target"]["attention"] == named["draft"]["attention"] == ["CPUMLAImpl"]
+    assert "sgl weight_packed_linear" not in named["target"]["linear"], named
+    assert named["reload"] == "ok"
+    picked = reloaded["picked"]
+    assert picked["target"]["attention"] == ["AMXMLAImpl"], picked
+    assert "must match the size of tensor b" in picked["reload"], picked
+
+
 def test_the_probe_rejects_what_an_amx_host_rejects(probed: dict[str, dict]) -> None:
     assert "invalid weight input features 16" in probed["nope16"]["error"]
     assert "expect weight to be bfloat16" in probed["float32"]["error"]

@@ -264,6 +264,15 @@ def _report(cpu_env: CpuEnv, result: dict[str, Any], route: str, tmp: Path) -> d
     return {**json.loads(cpu_env.cli("report", path, "--json").stdout), "text": text}
 
 
+def test_every_ranks_draft_predicts_what_its_target_does(cluster: dict[str, Any]) -> None:
+    """The checkpoint's draft agrees with its target by construction (make-checkpoint): loaded
+    right, on both nodes and by every route (node B's own mode included), the draft vLLM's
+    modules hold predicts every token's successor as the target does. The actors serve
+    nothing (vLLM's CPU build has no Ray executor), so this stands for acceptance here."""
+    for name, route in cluster["routes"].items():
+        assert [(r["rank"], r["agreement"]) for r in route["ranks"]] == [(0, 1.0), (1, 1.0)], name
+
+
 def test_the_ranks_run_on_two_nodes(cluster: dict[str, Any]) -> None:
     driver = cluster["driver"]["node"]
     assert driver != NODE_B

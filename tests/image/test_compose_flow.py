@@ -196,7 +196,9 @@ def test_smoke_judges_only_the_server_of_its_own_up(
         re.M,
     ), smoke
     assert re.search(r"^FAIL draft decision: no draft decision since the server", smoke, re.M)
-    assert re.search(r"^smoke: 3 passed, 3 failed$", smoke, re.M), smoke
+    # The draft was loaded all the same (by vLLM alone), right: only the events fail.
+    assert re.search(r"^PASS draft acceptance: 1\.000 ", smoke, re.M), smoke
+    assert re.search(r"^smoke: 4 passed, 3 failed$", smoke, re.M), smoke
 
     changed = up(
         engine,
@@ -215,6 +217,74 @@ def test_smoke_judges_only_the_server_of_its_own_up(
     ]
     assert [d["mode"] for d in drafts] == [MOUNTED_MODE, ENV_MODE]  # both servers' decisions
     assert f"; {earlier} earlier event(s) not judged)):" in smoke, smoke
+
+
+def garbled_copy(out: Path) -> Path:
+    """make-checkpoint's served checkpoint (the CPU run's choice of compose's variables), its
+    MTP layer's own tensors then shuffled: the draft a wrong load leaves, while its index
+    still says that its draft agrees with its target."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hybrid_draft.tools import cli
+
+    arch, preset = CPU_VARIABLES["CHECKPOINT_ARCH"], CPU_VARIABLES["CHECKPOINT_PRESET"]
+    assert cli.main(["make-checkpoint", str(out), "--arch", arch, "--preset", preset]) == 0
+    layers = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    own = f"model.layers.{layers}."
+    replaced = ("embed_tokens", "shared_head.head")  # vLLM gives the draft the target's
+    generator = torch.Generator().manual_seed(45)
+    shuffled = 0
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = load_file(shard)
+        for name, t in tensors.items():
+            if name.startswith(own) and not any(r in name for r in replaced):
+                flat = t.reshape(-1)
+                tensors[name] = flat[torch.randperm(flat.numel(), generator=generator)].reshape(
+                    t.shape
+                )
+                shuffled += 1
+        save_file(tensors, shard, metadata={"format": "pt"})
+    assert shuffled
+    return out
+
+
+def test_compose_up_fails_a_draft_that_does_not_agree_and_the_users_floor_decides(
+    engine: Engine, work: Path, figures: dict
+) -> None:
+    """``MODEL_DIR`` a checkpoint whose index says its draft agrees, whose draft does not
+    (its tensors shuffled): the server serves, the draft proposes, and the ``up`` fails on
+    acceptance alone. With ``SMOKE_MIN_ACCEPTANCE`` the floor is the user's."""
+    image = baked("venv")
+    model = garbled_copy(work / "garbled-model")
+    result = up(engine, "garbled-draft", image, {"MODEL_DIR": str(model)}, work, figures)
+    smoke = result.service("smoke")
+    assert result.returncode == 1, result.output[-6000:]
+    assert re.findall(r"^FAIL [^:]*", smoke, re.M) == ["FAIL draft acceptance"], smoke
+    assert re.search(
+        r"^FAIL draft acceptance: 0\.\d+ \(\d+ of \d+ draft tokens accepted during smoke's 3 "
+        r"completion\(s\): vllm:spec_decode_num_accepted_tokens_total \+\d+, "
+        r"vllm:spec_decode_num_draft_tokens_total \+\d+\), below the floor 0\.9 \(the "
+        r"checkpoint says its draft agrees with its target: /model/",
+        smoke,
+        re.M,
+    ), smoke
+    assert re.search(r"^smoke: 6 passed, 1 failed$", smoke, re.M), smoke
+    users = up(
+        engine,
+        "garbled-draft-users-floor",
+        image,
+        {"MODEL_DIR": str(model), "SMOKE_MIN_ACCEPTANCE": "0"},
+        work,
+        figures,
+    )
+    smoke = users.service("smoke")
+    assert users.returncode == 0, users.output[-6000:]
+    assert re.search(
+        r"^PASS draft acceptance: .*, at least the floor 0 \(set by SMOKE_MIN_ACCEPTANCE\)$",
+        smoke,
+        re.M,
+    ), smoke
 
 
 def test_bake_built_what_compose_runs(engine: Engine) -> None:

@@ -36,7 +36,9 @@ own parameters, which its reload restored), read as at its first load; from a re
 weights iterator it takes only what the target's stream held for it, all of it or nothing
 (a tensor the stream lacked, or one over the hold budget, would leave part of a layer as it
 was). A reload with none of the draft's tensors to give keeps the draft's weights, saying
-why (:func:`reload_check`).
+why (:func:`reload_check`). A trainer's weight-transfer session is checked the same way at
+its end, against what its chunks passed on to the draft (``hold.Pass``): every one of the
+draft's tensors, or the draft keeps its weights.
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ def held(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | 
     found = scope.hold_for(call.model_config) if scope is not None else None
     if found is None:
         return Held()
+    if isinstance(found, hold.Pass):  # a session's: nothing held, no budget spent
+        found.sink = current.sink
+        return Held(found, found.plan)
     found.sink = current.sink  # the draft's from here on
     changed = tuple(
         name
@@ -164,7 +169,11 @@ def draft(
     unsupported: str | None = None
     failure: objectstore.ObjectStoreError | None = None
     access = objectstore.Access.of(current)
-    if plan is None and (same or decision.switched) and decision.reason not in policy.NOT_RELOADED:
+    if (
+        plan is None
+        and (same or decision.switched)
+        and decision.reason not in (*policy.NOT_RELOADED, "draft_session")
+    ):
         try:
             plan = draftplan.for_call(
                 call,
@@ -203,8 +212,8 @@ def draft(
         decision = reload_check(decision, plan if same else None, found.hold, ours, call)
     load_config: LoadConfig | None = None
     reads = False
-    if decision.reason == "reload_stream":
-        reads = True  # from the hold alone: no loader, no storage
+    if decision.reason in ("reload_stream", "weight_update"):
+        reads = True  # from the hold (or what a session passed on) alone: no loader, no storage
     elif decision.switched and failure is None:
         family = decision.chosen_format not in (policy.SAFETENSORS, policy.SELECTIVE_FORMAT)
         if not ours and family:  # a fastsafetensors or Run:ai draft: its target's loader
@@ -240,7 +249,9 @@ def draft(
             access=access,
         )
     sources: Opt[records.Sources] = ABSENT
-    if read is not None:
+    if read is not None and isinstance(found.hold, hold.Pass):
+        sources = passed_sources(found.hold)
+    elif read is not None:
         sources = read.plan.sources(set(found.hold.tensors) if found.hold is not None else ())
     skip_off = None
     if request.method == "mtp" and skips:
@@ -306,6 +317,15 @@ def empty_sources(
     return out or ABSENT
 
 
+def passed_sources(passing: hold.Pass) -> dict[str, dict[str, int]]:
+    """A session's draft's ``sources``: what the session passed on (``stream``), nothing
+    from storage, and what vLLM shares with the target (the target's session loaded it)."""
+    sources = passing.plan.sources()
+    sources["storage"] = {"tensors": 0, "bytes": 0}
+    sources["stream"] = {"tensors": len(passing.received), "bytes": passing.received_bytes}
+    return sources
+
+
 def _names(names: list[str], most: int = 8) -> str:
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
@@ -319,8 +339,13 @@ def reload_check(
     call: calls.Call,
 ) -> policy.Decision:
     """A reload's draft decision against what the reload gives the draft: a same-checkpoint
-    draft (``plan``) whose checkpoint holds none of its own tensors, or a stream that did
-    not carry every one of them within the hold budget, keeps its weights."""
+    draft (``plan``) whose checkpoint holds none of its own tensors, or a stream (a weights
+    iterator within the hold budget, a weight-transfer session) that did not carry every one
+    of them, keeps its weights."""
+    if decision.reason == "draft_session":
+        return decision  # vLLM's own: it loads what the trainer sends
+    if decision.reason == "weight_update":
+        return session_check(decision, held, ours, call)
     if decision.reason == "reload_stream":
         if not ours or held is None:
             why = (
@@ -353,6 +378,50 @@ def reload_check(
             "no_draft_tensors",
             f"the checkpoint at {call.model_config.model} holds none of the draft's own "
             "tensors: the draft keeps its weights",
+        )
+    return decision
+
+
+def session_check(
+    decision: policy.Decision, held: hold.Hold | None, ours: bool, call: calls.Call
+) -> policy.Decision:
+    """A target session's draft at the session's end: it takes what the session passed on
+    only if that is every one of its tensors (the draft is never left part one step's and
+    part another's)."""
+    backend = call.trigger.backend if call.trigger is not None else None
+    session = f"the {backend} session" if backend else "the session"
+    if not ours or not isinstance(held, hold.Pass):
+        why = (
+            "the draft has no plan to take its tensors from the session by"
+            if not ours
+            else f"{session} passed nothing on to it (the target decision's one_pass says why)"
+        )
+        return policy.not_reloaded(
+            decision, "incomplete_stream", f"{why}: the draft keeps its weights"
+        )
+    if held.failure is not None:
+        return decision  # its load fails, saying why
+    if not held.received:
+        how = (
+            ""
+            if held.offered
+            else " (its engine loaded the target without the model's load_weights, writing "
+            "the parameters itself)"
+        )
+        return policy.not_reloaded(
+            decision,
+            "no_draft_tensors",
+            f"{session} brought none of the draft's {len(held.needed)} tensors{how}: the "
+            "draft keeps its weights",
+        )
+    missing = held.missing()
+    if missing:
+        return policy.not_reloaded(
+            decision,
+            "incomplete_stream",
+            f"{session} brought {len(held.received)} of the draft's {len(held.needed)} "
+            f"tensors; it lacked {len(missing)}: {_names(missing)}: the draft keeps its "
+            "weights",
         )
     return decision
 

@@ -204,6 +204,41 @@ FINALIZE_LAYERWISE_PROCESSING = Name(
 )
 
 
+# A trainer's weight-transfer session: vLLM's worker methods that run one (the target's, or
+# vLLM's own draft session), and the steps of vLLM's layerwise reload the draft's update
+# takes, one layer at a time, with the copy of each processed layer into its original
+# storage held back until the session's end (all or nothing).
+WORKER = "vllm.v1.worker.gpu_worker:Worker"
+START_WEIGHT_UPDATE = Name(f"{WORKER}.start_weight_update", ("self",))
+START_DRAFT_WEIGHT_UPDATE = Name(f"{WORKER}.start_draft_weight_update", ("self",))
+UPDATE_WEIGHTS = Name(f"{WORKER}.update_weights", ("self", "update_info"))
+FINISH_WEIGHT_UPDATE = Name(f"{WORKER}.finish_weight_update", ("self",))
+_LAYERWISE = f"{_RELOAD}.layerwise"
+LAYERWISE_INFO = Name(f"{_LAYERWISE}:LAYERWISE_INFO")
+COPY_AND_RESTORE_KERNEL_TENSORS = Name(
+    f"{_LAYERWISE}:_copy_and_restore_kernel_tensors", ("layer", "info")
+)
+PLACE_KERNEL_TENSORS = Name(f"{_LAYERWISE}:_place_kernel_tensors", ("layer", "info"))
+LAYER_RELOADING_INFO = Name(
+    f"{_RELOAD}.types:LayerReloadingInfo",
+    fields=("kernel_tensors", "kernel_non_persistent_buffers", "loaded_weights"),
+)
+FINALIZE_LAYERWISE_RELOAD = Name(
+    f"{_LAYERWISE}:finalize_layerwise_reload", ("model", "model_config")
+)
+_SESSION_NAMES = (
+    START_WEIGHT_UPDATE,
+    START_DRAFT_WEIGHT_UPDATE,
+    UPDATE_WEIGHTS,
+    FINISH_WEIGHT_UPDATE,
+    INITIALIZE_LAYERWISE_RELOAD,
+    LAYERWISE_INFO,
+    COPY_AND_RESTORE_KERNEL_TENSORS,
+    PLACE_KERNEL_TENSORS,
+    LAYER_RELOADING_INFO,
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """One set of private names a part works with, as one line of vLLM releases has them
@@ -295,12 +330,25 @@ PARTS: Mapping[str, tuple[Layout, ...]] = MappingProxyType(
                 ),
             ),
         ),
+        # The draft updated with its target by a trainer's weight-transfer session: the
+        # worker's session methods and vLLM's layerwise reload, finished by its own
+        # ``finalize_layerwise_reload`` (0.34: the post-load hooks run there) or, where that
+        # takes any arguments (0.33), by ``finalize_layerwise_processing``.
+        "weight_update": (
+            Layout(
+                "worker sessions, layerwise reload", (*_SESSION_NAMES, FINALIZE_LAYERWISE_RELOAD)
+            ),
+            Layout(
+                "worker sessions, layerwise processing",
+                (*_SESSION_NAMES, FINALIZE_LAYERWISE_PROCESSING),
+            ),
+        ),
     }
 )
 #: Parts probed at each use rather than once per process: their modules import vLLM's
 #: model loader themselves, so at the hook (inside that import) they may be half-imported.
 #: ``reload`` is probed for the model runner at hand only (:func:`reload_layout`).
-LATE = frozenset({"skip_replaced", "reload"})
+LATE = frozenset({"skip_replaced", "reload", "weight_update"})
 
 
 def vllm_version() -> str | None:
@@ -905,3 +953,77 @@ def mtp_partial_load() -> contextlib.AbstractContextManager[Any]:
     if not isinstance(getattr(module, attr, None), bool):
         return contextlib.nullcontext()
     return _weight_update(module, attr)
+
+
+# --- a weight-transfer session's draft update ------------------------------------------
+
+
+def _layerwise() -> ModuleType:
+    return __import__(_LAYERWISE, fromlist=["_"])
+
+
+def layerwise_info(layer: Any) -> Any:
+    """vLLM's layerwise-reload record of ``layer`` (None: it has none; none is made)."""
+    info: Any = _layerwise().LAYERWISE_INFO.get(layer)
+    return info
+
+
+def in_reload(model: Any) -> bool:
+    """Whether ``model`` is in a checkpoint-format reload now: a layer of it waits for its
+    weights in vLLM's layerwise reload, or 0.34's direct reload has begun on it."""
+    if getattr(model, "_direct_reload_begun", False):
+        return True
+    for layer in model.modules():
+        info = layerwise_info(layer)
+        if info is not None and info.can_load():
+            return True
+    return False
+
+
+def initialize_layerwise(module: Any) -> None:
+    """vLLM's ``initialize_layerwise_reload`` of ``module`` (its layers on the meta device,
+    their weight loaders buffering until each layer is whole)."""
+    _layerwise().initialize_layerwise_reload(module)
+
+
+@contextlib.contextmanager
+def holding_back(hold_back: Callable[[Any, Any], bool]) -> Iterator[None]:
+    """While open, each layer vLLM's layerwise reload has processed is offered to
+    ``hold_back(layer, info)`` before its copy into the layer's original storage; a layer
+    held back keeps its processed tensors until :func:`restore_kernel_tensors` or
+    :func:`place_kernel_tensors` is called for it with what ``info`` held."""
+    module = _layerwise()
+    name = COPY_AND_RESTORE_KERNEL_TENSORS.path.partition(":")[2]
+    original = getattr(module, name)
+
+    def copy_or_hold(layer: Any, info: Any) -> None:
+        if not hold_back(layer, info):
+            original(layer, info)
+
+    setattr(module, name, copy_or_hold)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def restore_kernel_tensors(layer: Any, info: Any) -> None:
+    """Copy ``layer``'s processed tensors into its original storage and put those back (vLLM's
+    own step; outside :func:`holding_back`)."""
+    _layerwise()._copy_and_restore_kernel_tensors(layer, info)
+
+
+def place_kernel_tensors(layer: Any, info: Any) -> None:
+    """Put ``layer``'s original tensors back as they are (its processed ones dropped)."""
+    _layerwise()._place_kernel_tensors(layer, info)
+
+
+def finalize_layerwise(model: Any, model_config: ModelConfig, layout: str) -> None:
+    """vLLM's end of a layerwise reload of ``model`` by the ``weight_update`` part's
+    ``layout``: the layers not processed yet (attention, padded ones) processed and every
+    post-load step run."""
+    names = next(lay.names for lay in PARTS["weight_update"] if lay.label == layout)
+    if FINALIZE_LAYERWISE_RELOAD in names:
+        _layerwise().finalize_layerwise_reload(model, model_config)
+    else:
+        _layerwise().finalize_layerwise_processing(model, model_config)

@@ -12,6 +12,11 @@ any other, run here with its trigger (``policy.Reload``) as data: its events say
 ``trigger: "reload"``. A reload's draft whose decision reloads nothing (its reason one of
 ``policy.NOT_RELOADED``, or the layer could not decide it: vLLM reloads no draft) keeps
 its weights: no load, no ``loaded`` event.
+
+A trainer's weight-transfer session (``adapter.sessions``) spans several calls into the
+worker, so the model it loads into is decided when it starts (:func:`begin`, which emits the
+decision) and reported when it ends (:func:`end`); :func:`run` is the two around one call.
+Its events say ``trigger: "weight_update"``.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ SWITCH_MESSAGE = {
     "tensors with the Run:ai Model Streamer, as the target model loads",
     policy.WEIGHTS_ITERATOR: "Hybrid draft loading: reloading the speculative draft's "
     "tensors from the weights iterator the target model reloaded from",
+    policy.WEIGHT_TRANSFER: "Hybrid draft loading: updating the speculative draft with its "
+    "tensors from the target model's weight-transfer session",
 }
 
 
@@ -115,10 +122,18 @@ class Load:
 
     @property
     def occasion(self) -> dict[str, Any]:
-        """The events' ``trigger`` and ``reload_source``."""
-        if self.trigger is None:
+        """The events' ``trigger`` and ``reload_source``, or a session's ``backend`` and
+        ``session``."""
+        trigger = self.trigger
+        if trigger is None:
             return {"trigger": "load"}
-        return {"trigger": "reload", "reload_source": self.trigger.source}
+        if trigger.source == "weight_update":
+            return {
+                "trigger": trigger.kind,
+                "backend": trigger.backend or ABSENT,
+                "session": trigger.session or ABSENT,
+            }
+        return {"trigger": trigger.kind, "reload_source": trigger.source}
 
     @property
     def reloads_nothing(self) -> bool:
@@ -192,14 +207,19 @@ class Load:
         cost: records.Cost,
         exc: BaseException | None,
         failed_read: records.FailedRead | None = None,
+        chunks: tuple[int, float] | None = None,
     ) -> records.Loaded:
-        """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised ``exc``."""
+        """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised ``exc``; a
+        session's model with its ``chunks`` (how many, and the seconds its loads took)."""
         read, tap = self.read, self.tap
         held: records.HoldFigures | records.Absent = ABSENT
-        if tap is not None:
+        if tap is not None and not isinstance(tap, hold.Pass):
             held = tap.summary()
         if read is not None and read.hold is not None:
-            held = read.hold.summary()
+            if isinstance(read.hold, hold.Pass):  # a session's draft: what passed, no hold
+                chunks = (read.hold.chunks, read.hold.seconds)
+            else:
+                held = read.hold.summary()
         return records.Loaded(
             role=self.role,
             model=self.model,
@@ -210,6 +230,8 @@ class Load:
             where=self.where,
             sources=read.sources if read is not None and read.sources else ABSENT,
             one_pass=held,
+            chunks=chunks[0] if chunks is not None else ABSENT,
+            chunk_seconds=round(chunks[1], 6) if chunks is not None else ABSENT,
             error_type=type(exc).__name__ if exc is not None else ABSENT,
             error=str(exc) if exc is not None else ABSENT,
             failed_read=failed_read or ABSENT,
@@ -337,17 +359,26 @@ def unready() -> str | None:
     return why
 
 
-def run(
-    resolve: Callable[[], calls.Call],
-    proceed: Callable[[LoadConfig | None], Any],
-    trigger: policy.Reload | None = None,
-) -> Any:
-    """One load (a reload in place with its ``trigger``): decide, emit the decision,
-    load, emit what it cost. The process's first load installs the layer's parts first
-    (:func:`unready`), outside the load's figures."""
+@dataclass
+class Active:
+    """One load between its decision and its outcome: what was decided, and its figures so
+    far (a session's model: ``chunks`` and ``chunk_seconds``, as the session counts them)."""
+
+    load: Load
+    cost: figures.LoadStats
+    chunks: int = 0
+    chunk_seconds: float = 0.0
+
+
+def begin(resolve: Callable[[], calls.Call], trigger: policy.Reload | None = None) -> Active | None:
+    """Decide one load and emit its decision (None: the layer cannot work in this process,
+    :func:`unready`). An invalid setting is reported (``config_error``, ``load_failed``) and
+    raised: it stops the load. The process's first load installs the layer's parts first,
+    outside the load's figures."""
     if unready() is not None:
-        return proceed(None)
-    with figures.measuring() as cost:
+        return None
+    cost = figures.LoadStats()
+    with figures.measuring(cost):
         request: policy.Request | None = None
         fault: BaseException | None = None
         try:
@@ -384,20 +415,46 @@ def run(
             )
         else:
             _emit_decision(load)
-        if load.reloads_nothing:
-            return None
-        tap = load.tap
-        cost.observe = tap.offer if tap is not None else None
-        try:
+    tap = load.tap
+    cost.observe = tap.offer if tap is not None else None
+    return Active(load, cost)
+
+
+def end(active: Active, exc: BaseException | None) -> None:
+    """Emit what a load decided by :func:`begin` cost: ``loaded``, or ``load_failed`` for a
+    load that raised ``exc`` (a target's hold checked first, :func:`_settle`)."""
+    if exc is None:
+        _settle(active.load)
+    chunks = (
+        (active.chunks, active.chunk_seconds)
+        if active.load.trigger is not None and active.load.trigger.source == "weight_update"
+        else None
+    )
+    _finish(active.load, active.cost, exc, chunks)
+
+
+def run(
+    resolve: Callable[[], calls.Call],
+    proceed: Callable[[LoadConfig | None], Any],
+    trigger: policy.Reload | None = None,
+) -> Any:
+    """One load (a reload in place with its ``trigger``): decide, emit the decision,
+    load, emit what it cost."""
+    active = begin(resolve, trigger)
+    if active is None:
+        return proceed(None)
+    load = active.load
+    if load.reloads_nothing:
+        return None
+    try:
+        with figures.measuring(active.cost), draftread.reading(load.read):
             if load.draft is not None and load.draft.failure is not None:
                 raise load.draft.failure  # its plan's reads were refused: failed once, here
-            with draftread.reading(load.read):
-                model = proceed(load.load_config)
-        except BaseException as exc:
-            _finish(load, cost, exc)
-            raise
-        _settle(load)
-        _finish(load, cost, None)
+            model = proceed(load.load_config)
+    except BaseException as exc:
+        end(active, exc)
+        raise
+    end(active, None)
     return model
 
 
@@ -430,11 +487,16 @@ def _emit_decision(load: Load) -> None:
         init_logger("vllm.hybrid_draft").info(SWITCH_MESSAGE[decision.chosen_format])
 
 
-def _finish(load: Load, cost: figures.LoadStats, exc: BaseException | None) -> None:
+def _finish(
+    load: Load,
+    cost: figures.LoadStats,
+    exc: BaseException | None,
+    chunks: tuple[int, float] | None = None,
+) -> None:
     """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised; a fault here is
     reported as ``hybrid_draft.layer_error``, never raised over the load's own outcome."""
     try:
-        record = load.loaded_record(cost.cost(), exc, _failed_read(load, cost, exc))
+        record = load.loaded_record(cost.cost(), exc, _failed_read(load, cost, exc), chunks)
         if exc is None:
             emit("hybrid_draft.loaded", sink=load.sink, **records.render(record))
         else:

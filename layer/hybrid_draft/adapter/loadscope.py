@@ -7,7 +7,9 @@ made in: held tensors are released when the draft's load ends or fails, and at t
 when the scope closes (no draft load followed), with a ``hybrid_draft.hold_released``
 event. The scope also settles the draft's skipped parameters (``sharing.settle``) once the
 proposer has had its chance to replace them. A model runner's ``load_model`` and
-``reload_weights`` each open one (``adapter/runners.py``).
+``reload_weights`` each open one (``adapter/runners.py``); a weight-transfer session, which
+spans several calls into the worker, holds one for its life and enters it in each call
+(:func:`use`, ``adapter/sessions.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ _SCOPE: ContextVar[Scope | None] = ContextVar("hybrid_draft_load_scope", default
 
 def current() -> Scope | None:
     return _SCOPE.get()
+
+
+@contextlib.contextmanager
+def use(held: Scope) -> Iterator[Scope]:
+    """``held`` as the current scope while open, without closing it on the way out: a scope
+    that lives across calls (its owner closes it)."""
+    token = _SCOPE.set(held)
+    try:
+        yield held
+    finally:
+        _SCOPE.reset(token)
 
 
 @contextlib.contextmanager

@@ -9,18 +9,22 @@ target leaves free).
 
 A reload in place taps its stream the same way: vLLM's loader of the target's format when
 the target reloads from a checkpoint, or the weights iterator it was given (any format;
-each held tensor a copy: the iterator's buffers are its producer's).
+each held tensor a copy: the iterator's buffers are its producer's). A trainer's
+weight-transfer session taps each chunk the target's ``load_weights`` is given, keeping
+nothing (``hold.Pass``: the draft's tensors are handed on to the draft's own load while the
+chunk is still the engine's).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybrid_draft import records, settings
 from hybrid_draft.adapter import calls, draftplan, internals, loaders, loadscope, parts
-from hybrid_draft.core import checkpoint, hold, objectstore, policy
+from hybrid_draft.core import checkpoint, figures, hold, objectstore, policy
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
@@ -51,13 +55,16 @@ def _off(reason: str, detail: str | None = None) -> Tap:
 
 def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | None) -> Tap:
     """The target's one pass, or why there is none; the hold joins ``scope``."""
+    session = call.trigger is not None and call.trigger.source == "weight_update"
     setting = int(current.hold_budget.value)
-    if setting <= 0:
+    if setting <= 0 and not session:  # a session's pass holds nothing: no budget to spend
         return _off("hold_budget_zero")
     requested = call.request().requested_format
     stream = call.trigger is not None and call.trigger.source == "iterator"
-    if stream:  # the reload's weights iterator, whatever the target's format
-        needed: tuple[str, ...] = ("one_pass",)
+    if session:  # its own part was asked before it began (adapter/sessions.py)
+        needed: tuple[str, ...] = ()
+    elif stream:  # the reload's weights iterator, whatever the target's format
+        needed = ("one_pass",)
     elif requested not in _STREAMED or requested not in loaders.handled_formats(current):
         if requested in loaders.unfiltered(current):
             return _off("no_tensor_filter", f"the installed {requested} cannot filter by name")
@@ -92,16 +99,22 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
     if not draft_decision.switched or not draft_request.reads_target_checkpoint:
         return _off("draft_not_switched", f"the draft's decision: {draft_decision.reason}")
     try:
-        plan = draftplan.for_call(
-            draft_call,
-            draft_call.skips_replaced(bool(current.skip_replaced.value)),
-            objectstore.Access.of(current),
-            parts.part_off("runai_stream"),
-        )
+        # A session's figures are the trainer's chunks: the plan's header reads are not.
+        with figures.measuring() if session else contextlib.nullcontext():
+            plan = draftplan.for_call(
+                draft_call,
+                draft_call.skips_replaced(bool(current.skip_replaced.value)),
+                objectstore.Access.of(current),
+                parts.part_off("runai_stream"),
+            )
     except checkpoint.CheckpointError as exc:  # the draft's own decision plans again
         return _off("planning_failed", f"{type(exc).__name__}: {exc}")
     if plan is None or plan.is_unused is None or not plan.kept:
         return _off("no_plan", "the draft has no checkpoint-weight rule or keeps nothing")
+    if session:
+        passing = hold.Pass.passing(plan, draft_config, expert_filter(draft_call), current)
+        scope.holds.append(passing)
+        return Tap(passing, passing.report())
     # A reload's target is resident already: what is free now is what the hold may share.
     tp = max(1, call.vllm_config.parallel_config.tensor_parallel_size)
     target_bytes = 0 if call.trigger is not None else plan.all_bytes // tp

@@ -113,6 +113,13 @@ def reload_off(runner: str) -> tuple[str | None, str]:
     return _said("reload", off), label
 
 
+def weight_update_off() -> tuple[str | None, str]:
+    """Why the ``weight_update`` part is off (None: on), probed now and said off once per
+    process and reason; and the label of the layout a session's draft update takes."""
+    off, label = internals.late_part("weight_update")
+    return _said("weight_update", off), label
+
+
 def _said(part: str, off: internals.Off | None) -> str | None:
     if off is None:
         return None

@@ -120,6 +120,21 @@ def targets(draft: Any, target: Any) -> frozenset[str]:
     return frozenset(kind for kind, shared in found.items() if shared)
 
 
+def target_modules(draft: Any, target: Any) -> set[Any]:
+    """The draft's modules that are the target's: a module vLLM shared (one of its own
+    parameters is the target's), or vLLM's quantized copy of the target's head. A weight
+    update of the target updates them; the draft's own update never touches them."""
+    theirs = {id(p) for p in target.parameters()}
+    out = set()
+    for name, module in draft.named_modules():
+        direct = list(module.parameters(recurse=False))
+        if any(id(p) in theirs for p in direct) or (
+            direct and quantized(module) and kind_of_param(f"{name}.weight") is not None
+        ):
+            out.add(module)
+    return out
+
+
 def partial_load() -> contextlib.AbstractContextManager[Any]:
     """For a ``load_weights`` call with only some of a draft's tensors: vLLM's own switch
     that turns off the MTP classes' "every MTP layer loaded" check for that one call."""

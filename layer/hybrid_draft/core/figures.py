@@ -109,8 +109,10 @@ def current() -> LoadStats | None:
 
 
 @contextmanager
-def measuring() -> Iterator[LoadStats]:
-    stats = LoadStats()
+def measuring(stats: LoadStats | None = None) -> Iterator[LoadStats]:
+    """While open, what reads reports goes to ``stats`` (a new load's figures, or those of a
+    load measured over several calls, such as a weight-transfer session's)."""
+    stats = stats if stats is not None else LoadStats()
     token = _CURRENT.set(stats)
     try:
         yield stats

@@ -10,9 +10,14 @@ takes them (:meth:`Hold.take`) instead of reading storage. What is held is cappe
 ``hold_budget`` setting and by a quarter of the memory the target leaves free
 (:func:`effective_budget`); what does not fit is read by the filtered path.
 
+A trainer's weight-transfer session taps the target's chunks the same way, but keeps
+nothing (:class:`Pass`): each chunk's draft tensors are handed on to the draft's own load
+while the chunk is still the engine's, and the pass only counts what went by, so that the
+session's end can tell whether the draft got all of its tensors.
+
 No vLLM import: a hold needs only its plan and the tensors offered to it, so the one-pass
 tap runs on any stream (``tools/bench``, ``scripts/gpu-check.sh``). Where a hold lives (the
-model runner's load scope) is the adapter's (``adapter/scope.py``).
+model runner's load scope) is the adapter's (``adapter/loadscope.py``).
 """
 
 from __future__ import annotations
@@ -185,6 +190,98 @@ class Hold:
             released_bytes=left_bytes,
             **records.render(self.summary()),
         )
+
+
+@dataclass
+class Pass(Hold):
+    """The draft's tensors as a weight-transfer session of its target passes them: nothing
+    is held. Each tensor of the draft's the target's ``load_weights`` is given waits in
+    ``pending`` only until that call returns (the engine may free or refill the chunk's
+    memory once its ``update_weights`` returns), when the adapter hands them to the draft's
+    own load (:meth:`drain`); what went by is counted for the session's end (:meth:`missing`)."""
+
+    #: The draft's tensors the session brought (each counted once), and their bytes.
+    received: set[str] = field(default_factory=set)
+    received_bytes: int = 0
+    pending: list[tuple[str, Any]] = field(default_factory=list)
+    #: The chunks that carried any of the draft's tensors, and the seconds the draft's
+    #: loads of them took.
+    chunks: int = 0
+    seconds: float = 0.0
+    #: A failure of the draft's load of a chunk: the draft is then left as it was.
+    failure: BaseException | None = None
+    #: Every tensor the target's ``load_weights`` was given in the session (0: the engine
+    #: wrote the target's parameters without it).
+    offered: int = 0
+
+    @classmethod
+    def passing(
+        cls,
+        plan: DraftPlan,
+        draft_model_config: Any,
+        skip: Callable[[str], bool],
+        current: Settings,
+    ) -> Pass:
+        """The pass for ``plan``: every tensor this rank's draft reads (not the replaced
+        ones, not what ``skip`` says no to), with no budget: nothing is kept."""
+        wanted = plan.reads(skip)
+        names = frozenset(t.name for t in wanted)
+        return cls(
+            plan=plan,
+            draft_model_config=draft_model_config,
+            wanted=names,
+            budget=0,
+            sink=current.sink,
+            settings=current,
+            needed=names,
+            draft_tensors=len(wanted),
+            draft_bytes=sum(t.nbytes for t in wanted),
+        )
+
+    def report(self) -> records.OnePass:
+        """The target decision's ``one_pass``: the draft's tensors the session may bring."""
+        return records.OnePass(
+            enabled=True, draft_tensors=self.draft_tensors, draft_bytes=self.draft_bytes
+        )
+
+    def offer(self, name: str, tensor: Any) -> None:
+        """Called for every tensor the target's ``load_weights`` is given: pass the draft's
+        on (the first time each comes by)."""
+        self.offered += 1
+        if name not in self.wanted or name in self.received or self.released:
+            return
+        self.pending.append((name, tensor))
+        self.received.add(name)
+        self.received_bytes += nbytes(tensor)
+
+    def drain(self) -> list[tuple[str, Any]]:
+        """The draft's tensors of the call that just returned, no longer referenced here."""
+        out, self.pending = self.pending, []
+        return out
+
+    def missing(self) -> list[str]:
+        """The draft's tensors the session has not brought, in file order."""
+        return [t.name for t in self.plan.kept if t.name in self.needed - self.received]
+
+    def take(self, name: str) -> Any:
+        return None  # nothing is held
+
+    def settle(self) -> None:
+        self.settled = True  # a session reads no checkpoint objects: nothing to check
+
+    def summary(self) -> records.HoldFigures:
+        return records.HoldFigures(
+            held_tensors=0,
+            held_bytes=0,
+            peak_bytes=0,
+            budget=0,
+            held_seconds=round(time.perf_counter() - self.started, 6),
+        )
+
+    def release(self, reason: str) -> None:
+        """Stop passing tensors on (nothing is held: no event)."""
+        self.released = True
+        self.pending.clear()
 
 
 def free_memory(device: Any) -> int | None:

@@ -31,6 +31,14 @@ target reloads is reloaded as it was loaded, unless the reload gives it nothing 
 draft with a checkpoint of its own sees its target reload from a new checkpoint or stream.
 A draft that reads its target's checkpoint takes its tensors from a reload's weights
 iterator (``reload_stream``).
+
+A trainer's weight-transfer session (``source`` ``weight_update``: vLLM's
+``start_weight_update`` ... ``finish_weight_update``) is a reload like the others, with the
+backend and the session's kind as data: a target session gives a draft that reads the
+target's checkpoint the draft's own tensors as they pass (``weight_update``); vLLM's own draft
+session (``start_draft_weight_update``) loads the draft itself and is left to vLLM
+(``draft_session``); a session whose engine patches the target's parameters in place brings
+nothing in checkpoint format (``kernel_format``).
 """
 
 from __future__ import annotations
@@ -67,6 +75,9 @@ FILTERED_BY_FAMILY = {
 #: The ``chosen_format`` of a draft whose reload takes its tensors from the weights iterator
 #: the target's reload was given.
 WEIGHTS_ITERATOR = "weights_iterator"
+#: The ``chosen_format`` of a draft that takes its tensors from its target's weight-transfer
+#: session as they pass.
+WEIGHT_TRANSFER = "weight_transfer"
 
 #: The draft's load format each mode aims for (what the compose smoke test expects).
 DRAFT_FORMAT_BY_MODE = {
@@ -104,6 +115,8 @@ REASONS = (
     "no_plan",
     "no_tensor_filter",
     "reload_stream",
+    "weight_update",
+    "draft_session",
     *NOT_RELOADED,
 )
 
@@ -120,17 +133,28 @@ class Checkpoint:
     aliases: tuple[str, ...] = ()
 
 
-ReloadSource = Literal["checkpoint", "weights_path", "iterator"]
+ReloadSource = Literal["checkpoint", "weights_path", "iterator", "weight_update"]
+#: The model a weight-transfer session loads into: the target (``start_weight_update``) or
+#: the draft (vLLM's own ``start_draft_weight_update``).
+SessionKind = Literal["target", "draft"]
 
 
 @dataclass(frozen=True)
 class Reload:
-    """A reload in place of weights already loaded (vLLM's ``reload_weights``): where the
-    target's new weights come from (its checkpoint again, a new ``weights_path``, or a
-    weights iterator), and whether they are in checkpoint format."""
+    """A reload in place of weights already loaded: where the target's new weights come
+    from (vLLM's ``reload_weights`` from its checkpoint again, a new ``weights_path`` or a
+    weights iterator; or a trainer's weight-transfer session, ``weight_update``), and whether
+    they are in checkpoint format. A session names its backend and its kind."""
 
     source: ReloadSource
     checkpoint_format: bool = True
+    backend: str | None = None
+    session: SessionKind | None = None
+
+    @property
+    def kind(self) -> str:
+        """The events' ``trigger``: ``reload`` or ``weight_update``."""
+        return "weight_update" if self.source == "weight_update" else "reload"
 
 
 @dataclass(frozen=True)
@@ -224,16 +248,31 @@ def decide(
         return kept("target_model")
     trigger = request.trigger
     if trigger is not None:
+        if trigger.session == "draft":
+            return kept(
+                "draft_session",
+                f"vLLM's own draft weight update ({trigger.backend}) loads the draft: the "
+                "layer leaves it as vLLM runs it",
+            )
         if reload_setting == "off":
             return kept("reload_off", "the reload setting is off: the draft keeps its weights")
         if not trigger.checkpoint_format:
+            what = (
+                f"the {trigger.backend} weight-transfer session patches the target's "
+                "parameters in place (kernel format)"
+                if trigger.source == "weight_update"
+                else "the target reloads weights already in kernel format"
+            )
             return kept(
                 "kernel_format",
-                "the target reloads weights already in kernel format, which hold nothing of "
-                "the draft's: the draft keeps its weights",
+                f"{what}, which hold nothing of the draft's: the draft keeps its weights",
             )
         if not request.reads_target_checkpoint and trigger.source != "checkpoint":
-            whence = "a new checkpoint" if trigger.source == "weights_path" else "a weights stream"
+            whence = {
+                "weights_path": "a new checkpoint",
+                "iterator": "a weights stream",
+                "weight_update": "a weight-transfer session",
+            }[trigger.source]
             return kept(
                 "own_checkpoint_kept",
                 f"the draft has a checkpoint of its own and the target reloads from {whence}: "
@@ -241,6 +280,8 @@ def decide(
             )
         if trigger.source == "iterator":
             return switched("reload_stream", WEIGHTS_ITERATOR)
+        if trigger.source == "weight_update":
+            return switched("weight_update", WEIGHT_TRANSFER)
     if requested not in formats or requested not in TARGET_FORMATS:
         explicit = request.explicit_draft_format
         if explicit == requested:

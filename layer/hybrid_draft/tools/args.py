@@ -34,6 +34,14 @@ def non_negative(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A finite number from 0 to 1 (a rate)."""
+    value = _number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 0 to 1")
+    return value
+
+
 def integer(low: int, high: int) -> Callable[[str], int]:
     """An integer in ``[low, high]``."""
 

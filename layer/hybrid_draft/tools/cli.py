@@ -84,7 +84,7 @@ def _rules(args: argparse.Namespace) -> int:
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hybrid_draft.tools import synth
+    from hybrid_draft.tools import agree, synth
 
     out = Path(args.out_dir)
     prog = "hybrid-draft make-checkpoint"
@@ -112,17 +112,28 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
             return 2
         kwargs = {"moe": args.moe} if args.arch not in ("qwen3_5", "qwen3") else {}
         layout = synth.ARCHITECTURES[args.arch](preset, **kwargs)
+        # Only seeded values can agree: noise and sparse fills make no claim.
+        draft = None
+        if args.fill == "normal":
+            draft = agree.RANDOM if args.random_draft else agree.AGREES
+        claim = draft if draft is None or layout.is_mtp else agree.NONE
         shards = synth.shard(layout, num_shards=args.shards, mtp_own_shard=args.mtp_own_shard)
         with synth.marked(out):
             if args.tokenizer:
                 synth.write_tokenizer(out, layout.config["vocab_size"])
-            synth.write_checkpoint(out, layout, shards, fill=args.fill, seed=args.seed)
+            synth.write_checkpoint(out, layout, shards, fill=args.fill, seed=args.seed, draft=draft)
     except (OSError, synth.TargetError) as exc:
         print(f"{prog}: {_os_error(exc)}", file=sys.stderr)
         return 2
+    said = {
+        agree.AGREES: "its MTP draft agrees with its target",
+        agree.RANDOM: "a random MTP draft",
+        agree.NONE: "no MTP layer",
+        None: f"no claim about its draft (--fill {args.fill})",
+    }[claim]
     print(
         f"{out}: {args.arch}/{preset}, {len(shards)} shards, "
-        f"{len(layout.tensors)} tensors, {layout.nbytes / 1e6:.1f} MB"
+        f"{len(layout.tensors)} tensors, {layout.nbytes / 1e6:.1f} MB, {said}"
     )
     return 0
 
@@ -213,7 +224,10 @@ def parser() -> argparse.ArgumentParser:
 
     from hybrid_draft.tools import synth  # stdlib only: cheap enough for every command
 
-    m = sub.add_parser("make-checkpoint", help="write a random-weight MTP checkpoint")
+    m = sub.add_parser(
+        "make-checkpoint",
+        help="write a checkpoint with an MTP layer whose draft agrees with its target",
+    )
     m.add_argument("out_dir")
     m.add_argument("--arch", choices=sorted(synth.ARCHITECTURES), default="qwen3_5")
     listed = "; ".join(f"{a}: {', '.join(p)}" for a, p in synth.PRESETS.items())
@@ -230,6 +244,14 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--fill", choices=["normal", "noise", "sparse"], default="normal")
     m.add_argument("--seed", type=types.integer(0, (1 << 63) - 1), default=0)
     m.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True)
+    m.add_argument(
+        "--random-draft",
+        action="store_true",
+        help="random weights everywhere, the MTP layer's included (its proposals are "
+        "rejected); default: blocks that pass their input through, a structured embedding "
+        "and head, and a draft that agrees with its target by construction (with --fill "
+        "normal; the index's metadata says which)",
+    )
     m.add_argument(
         "--if-missing",
         action="store_true",

@@ -10,7 +10,10 @@ target's load in that process: the savings are measured against those two figure
 Decisions that carry a ``rank`` are also compared across ranks (:func:`inconsistent`). A
 reload of the weights in place (``trigger: "reload"``) is a load like the others, its draft
 compared with its own target's reload; a reload's draft decision that reloaded nothing (the
-draft kept its weights) is listed with its reason.
+draft kept its weights) is listed with its reason. So is a trainer's weight-transfer session
+(``trigger: "weight_update"``): each session's model, with the chunks it took, and the draft
+that took its tensors from its target's session (nothing read, nothing sent twice), or kept
+its weights, saying why.
 ``smoke`` prints the same summary. A field of the wrong type (a list ``pid``, a string
 ``seconds``, a byte count that is not a number) reads as unknown (``?``, or null in
 ``--json``) rather than failing; the file is read as a stream, a regular file of at most
@@ -44,6 +47,8 @@ NUMBERS = (
     "shards",
     "checkpoint_shards",
     "checkpoint_bytes",
+    "chunks",
+    "chunk_seconds",
 )
 
 LOAD_KEYS = (
@@ -53,9 +58,13 @@ LOAD_KEYS = (
     "tensor_filter",
     "trigger",
     "reload_source",
+    "backend",
+    "session",
     *NUMBERS,
     *OBJECTS,
 )
+#: The triggers of a load of weights already loaded: a reload in place, a session.
+RELOADS = ("reload", "weight_update")
 
 
 #: Where a draft's tensors came from (``sources`` of its ``loaded`` event), in words.
@@ -165,7 +174,7 @@ def _kept_weights(e: dict[str, Any]) -> bool:
     """A reload's draft decision that left the draft's weights as they were (no ``loaded``
     event follows it)."""
     return (
-        e.get("trigger") == "reload"
+        e.get("trigger") in RELOADS
         and e.get("role") == "draft"
         and e.get("reason") in policy.NOT_RELOADED
     )
@@ -200,23 +209,32 @@ def ranks(events: Iterable[Any]) -> list[int]:
 
 
 def inconsistent(events: Iterable[Any]) -> list[dict[str, Any]]:
-    """Ranks that decided differently from the other ranks, per model and role.
+    """Ranks that decided differently from the other ranks, per model and role (and, for a
+    reload or a weight-transfer session, per reload of that kind, in order).
 
     Only ``hybrid_draft.decision`` events with an integer ``rank`` count. For each model and
     role, the decision most ranks took (:data:`AGREED`; a tie goes to the one of the lowest
     rank) is the reference, and every rank with another decision is listed in one entry,
     ``{"model", "role", "ranks", "detail"}``. Empty when all ranks agree.
     """
-    seen: dict[tuple[Any, Any], dict[tuple[Any, ...], set[int]]] = {}
+    seen: dict[tuple[Any, ...], dict[tuple[Any, ...], set[int]]] = {}
+    # Each rank's reloads and sessions are compared in order: its n-th reload's decision with
+    # every other rank's n-th (a server's ranks reload together).
+    counts: dict[tuple[Any, ...], int] = {}
     for e in events:
         rank = _rank(e)
         if rank is None:
             continue
-        key = (_plain(e.get("model")), _plain(e.get("role")))
+        trigger = _plain(e.get("trigger"))
+        again = trigger not in (None, "load")
+        base = (_plain(e.get("model")), _plain(e.get("role")), trigger if again else None)
+        nth = counts.get((rank, *base), 0) if again else 0
+        if again:
+            counts[(rank, *base)] = nth + 1
         choice = tuple(_plain(e.get(k)) for k in AGREED)
-        seen.setdefault(key, {}).setdefault(choice, set()).add(rank)
+        seen.setdefault((*base, nth), {}).setdefault(choice, set()).add(rank)
     out = []
-    for (model, role), choices in seen.items():
+    for (model, role, trigger, nth), choices in seen.items():
         if len(choices) < 2:
             continue
         ordered = sorted(choices.items(), key=lambda c: (-len(c[1]), min(c[1])))
@@ -228,6 +246,8 @@ def inconsistent(events: Iterable[Any]) -> list[dict[str, Any]]:
             for choice, members in ordered
         ]
         detail = "; ".join(parts)
+        if trigger is not None:
+            detail = f"{trigger} {nth + 1}: {detail}"
         if any(r in choices[reference] for r in odd):
             detail += " (a rank decided more than once, differently)"
         out.append({"model": model, "role": role, "ranks": odd, "detail": detail})
@@ -255,7 +275,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
                     {
                         "role": _text(e.get("role")),
                         "model": _text(e.get("model")),
+                        "trigger": _text(e.get("trigger")),
                         "reload_source": _text(e.get("reload_source")),
+                        "backend": _text(e.get("backend")),
                         "reason": _text(e.get("reason")),
                         "detail": _text(e.get("detail")),
                     }
@@ -285,7 +307,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for row in proc["loads"]:
             if row["role"] == "target":
                 target = row
-            elif row["role"] == "draft":
+            elif row["role"] == "draft" and row.get("trigger") != "weight_update":
                 row["vs_full_pass"] = _savings(row, target)
     return {
         "processes": list(processes.values()),
@@ -354,6 +376,8 @@ def render(summary: dict[str, Any]) -> str:
             role = row["role"] or "?"
             if row.get("trigger") == "reload":
                 role += f" (reload: {row.get('reload_source') or '?'})"
+            elif row.get("trigger") == "weight_update":
+                role += f" (weight update: {_session(row)})"
             if row.get("tensor_filter"):
                 fmt += " (filtered)"
             shards = (
@@ -406,9 +430,26 @@ def render(summary: dict[str, Any]) -> str:
                     f"{s['full_pass_seconds']:.2f} s ({s['seconds_saved']:+.2f} s saved)"
                 )
             lines.append(text)
+        for row in proc["loads"][:SHOWN]:
+            if row.get("trigger") == "weight_update" and row["role"] == "draft":
+                src = row.get("sources") or {}
+                stream = src.get("stream")
+                took: dict[str, Any] = stream if isinstance(stream, dict) else {}
+                lines.append(
+                    f"  weight update ({_session(row)}): the draft took "
+                    f"{_num(took.get('tensors'))} tensors ({_bytes(took.get('bytes'))}) from "
+                    f"{_num(row.get('chunks'))} chunk(s) of its target's session, nothing sent "
+                    f"or read twice: {_num(row.get('chunk_seconds'), '{:.2f}')} s in the "
+                    f"chunks, {_num(row['seconds'], '{:.2f}')} s at the session's end"
+                )
         for row in proc["not_reloaded"][:SHOWN]:
+            what = (
+                f"weight update ({row['backend'] or '?'})"
+                if row.get("trigger") == "weight_update"
+                else f"reload ({row['reload_source'] or '?'})"
+            )
             lines.append(
-                f"  reload ({row['reload_source'] or '?'}): the {row['role'] or '?'} kept its "
+                f"  {what}: the {row['role'] or '?'} kept its "
                 f"weights ({row['reason']}): {files.one_line(str(row['detail']), 2000)}"
             )
         for row in proc["failures"][:SHOWN]:
@@ -426,6 +467,11 @@ def render(summary: dict[str, Any]) -> str:
         f"{len(summary['processes'])} process(es)"
     )
     return "\n".join(lines)
+
+
+def _session(row: dict[str, Any]) -> str:
+    """A session's backend, and whose session it was (the target's, or vLLM's draft one)."""
+    return f"{row.get('backend') or '?'}, {row.get('session') or '?'} session"
 
 
 def text(events: Iterable[dict[str, Any]]) -> str:

@@ -2,6 +2,11 @@
 
 Checks, each printed as one ``PASS``/``FAIL`` line: ``/v1/models`` lists the model; a few
 completions return text; vLLM's Prometheus metrics count proposed draft tokens (> 0); the
+draft's acceptance rate over the smoke's own completions (vLLM's accepted and drafted
+counters, read before and after them) reaches a floor: near 1 on a checkpoint that says its
+draft agrees with its target (``--model-dir``, make-checkpoint's claim), else the user's
+(``--min-acceptance``, ``SMOKE_MIN_ACCEPTANCE``) or one only a draft loaded wrong misses,
+since a draft of garbage is served without an error and proposes tokens all the same; the
 layer's events file holds a target decision that kept ``instanttensor``, a draft decision
 whose ``chosen_format`` is the configured mode's, and a ``loaded`` event for the target and
 the draft with no ``load_failed``. Only the events of the server it tested are judged: those
@@ -44,6 +49,19 @@ from hybrid_draft.tools import args as types
 from hybrid_draft.tools import report
 
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+#: vLLM's counter of the draft tokens the target accepted.
+ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+#: The acceptance floor on a checkpoint that says its draft agrees with its target
+#: (``make-checkpoint``'s default; hybrid_draft.tools.agree): every proposal should be
+#: accepted, and each one rejected shows. 1.0 measured in float32 and bfloat16
+#: (docs/testing.md); the margin leaves room for a GPU's other kernels.
+AGREEING_FLOOR = 0.9
+#: The floor on any other checkpoint, unless the user sets one: what a draft loaded wrong
+#: gets (about 0: every proposal rejected) misses it, what MTP heads are published to get
+#: (0.5 to 0.9) passes it.
+DEFAULT_FLOOR = 0.2
+#: The environment variable that sets the floor (compose's smoke service passes it).
+FLOOR_ENV = "SMOKE_MIN_ACCEPTANCE"
 #: prometheus_client's process collector: when the server's (API server) process started,
 #: in seconds since the epoch. Every load the server makes comes after it.
 SERVER_START = "process_start_time_seconds"
@@ -127,23 +145,7 @@ def check_completions(responses: list[Any]) -> Result:
 def draft_tokens(metrics_text: str) -> float | None:
     """Total draft tokens proposed, from Prometheus text (None when the metric is absent).
     Raises ValueError for text that is not Prometheus text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = None
-    families = 0
-    try:
-        for family in text_string_to_metric_families(metrics_text):
-            families += 1
-            if family.name != DRAFT_TOKENS:
-                continue
-            for sample in family.samples:
-                if sample.name == f"{DRAFT_TOKENS}_total":
-                    total = (total or 0.0) + sample.value
-    except Exception as exc:  # the parser's errors: ValueError, IndexError, TypeError...
-        raise ValueError(f"{type(exc).__name__}: {files.one_line(str(exc), 120)}") from None
-    if not families and metrics_text.strip():
-        raise ValueError("no metric in it")
-    return total
+    return counter_totals(metrics_text, [DRAFT_TOKENS])[DRAFT_TOKENS]
 
 
 def check_metrics(metrics_text: str, where: str = "/metrics") -> Result:
@@ -165,6 +167,124 @@ def check_metrics(metrics_text: str, where: str = "/metrics") -> Result:
     if total <= 0:
         return Result(name, False, f"{DRAFT_TOKENS}_total is {total:g}")
     return Result(name, True, f"{DRAFT_TOKENS}_total = {total:g}")
+
+
+def counter_totals(metrics_text: str, names: Iterable[str]) -> dict[str, float | None]:
+    """Each counter's ``_total``, summed over its label sets (one per engine), from
+    Prometheus text; None for a counter the text lacks. Raises ValueError for text that is
+    not Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = list(names)
+    out: dict[str, float | None] = dict.fromkeys(wanted)
+    families = 0
+    try:
+        for family in text_string_to_metric_families(metrics_text):
+            families += 1
+            if family.name not in out:
+                continue
+            for sample in family.samples:
+                if sample.name == f"{family.name}_total":
+                    out[family.name] = (out[family.name] or 0.0) + sample.value
+    except Exception as exc:  # the parser's errors: ValueError, IndexError, TypeError...
+        raise ValueError(f"{type(exc).__name__}: {files.one_line(str(exc), 120)}") from None
+    if not families and metrics_text.strip():
+        raise ValueError("no metric in it")
+    return out
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The draft tokens proposed and accepted between two reads of ``/metrics``."""
+
+    accepted: float
+    drafted: float
+
+    @property
+    def rate(self) -> float | None:
+        """Accepted over drafted; None when nothing was drafted."""
+        return self.accepted / self.drafted if self.drafted > 0 else None
+
+    def counters(self) -> str:
+        return f"{ACCEPTED_TOKENS}_total +{self.accepted:g}, {DRAFT_TOKENS}_total +{self.drafted:g}"
+
+
+def acceptance(before: str, after: str) -> Acceptance:
+    """The accepted and drafted tokens between two ``/metrics`` texts of one server (vLLM's
+    ``vllm:spec_decode_num_accepted_tokens_total`` and ``..._num_draft_tokens_total``, summed
+    over engines): what the requests made between the two reads proposed and got accepted.
+
+    Raises ValueError, one line, for a text that is not Prometheus text, a counter missing
+    from ``after``, or a counter that went down (another server answered the second read).
+    A counter missing from ``before`` only counts from 0."""
+    names = (ACCEPTED_TOKENS, DRAFT_TOKENS)
+    first = counter_totals(before, names)
+    second = counter_totals(after, names)
+    deltas = []
+    for name in names:
+        now, then = second[name], first[name] or 0.0
+        if now is None:
+            raise ValueError(f"no {name}_total (is speculative decoding on?)")
+        if now < then:
+            raise ValueError(
+                f"{name}_total went down from {then:g} to {now:g} between the two reads "
+                "(did the server restart?)"
+            )
+        deltas.append(now - then)
+    return Acceptance(*deltas)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The acceptance a draft must reach, and why that one."""
+
+    value: float
+    source: str
+
+
+def floor_for(user: float | None, user_source: str, model_dir: str | None) -> Floor:
+    """The user's floor where one is set; else, on a checkpoint that says its draft agrees
+    with its target, :data:`AGREEING_FLOOR`; else :data:`DEFAULT_FLOOR`.
+
+    Raises OSError or ValueError (one line) for a ``model_dir`` whose index cannot be read."""
+    from hybrid_draft.tools import agree
+
+    if user is not None:
+        return Floor(user, f"set by {user_source}")
+    if model_dir is None:
+        return Floor(DEFAULT_FLOOR, "the default; no --model-dir to read a claim from")
+    said = agree.claim(model_dir)
+    if said.agrees:
+        return Floor(
+            AGREEING_FLOOR, f"the checkpoint says its draft agrees with its target: {said.where}"
+        )
+    why = said.where if said.draft == "unknown" else f"its draft is {said.draft}: {said.where}"
+    return Floor(DEFAULT_FLOOR, f"the default for a draft not known to agree ({why})")
+
+
+def check_acceptance(
+    before: str | None, after: str | None, floor: Floor, completions: int
+) -> Result:
+    """The smoke's own requests' acceptance rate against ``floor``; the line names vLLM's
+    counters and where the floor comes from."""
+    name = "draft acceptance"
+    if before is None or after is None:
+        return Result(name, False, "no acceptance: /metrics was not read before and after")
+    try:
+        got = acceptance(before, after)
+    except ValueError as exc:
+        return Result(name, False, f"no acceptance: {exc}")
+    during = f"during smoke's {completions} completion(s)"
+    rate = got.rate
+    if rate is None:
+        return Result(name, False, f"the draft proposed no token {during} ({got.counters()})")
+    verdict = "at least" if rate >= floor.value else "below"
+    return Result(
+        name,
+        rate >= floor.value,
+        f"{rate:.3f} ({got.accepted:g} of {got.drafted:g} draft tokens accepted {during}: "
+        f"{got.counters()}), {verdict} the floor {floor.value:g} ({floor.source})",
+    )
 
 
 def read_events(lines: Iterable[str]) -> list[dict[str, Any]]:
@@ -475,8 +595,9 @@ def run_checks(
     mode: str,
     count: int,
     deadline: Deadline | None = None,
+    floor: Floor | None = None,
 ) -> list[Result]:
-    return checked(base, model, events_file, mode, count, deadline)[0]
+    return checked(base, model, events_file, mode, count, deadline, floor)[0]
 
 
 def checked(
@@ -486,9 +607,11 @@ def checked(
     mode: str,
     count: int,
     deadline: Deadline | None = None,
+    floor: Floor | None = None,
 ) -> tuple[list[Result], Judged | None]:
     """Every check's result, and the events judged (None when none were read)."""
     deadline = deadline or Deadline(DEFAULT_DEADLINE)
+    floor = floor or Floor(DEFAULT_FLOOR, "the default")
     results: list[Result] = []
     url = f"{base}/v1/models"
     try:
@@ -502,6 +625,14 @@ def checked(
     model = model or next(
         m["id"] for m in models["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)
     )
+    # The counters before the smoke's own requests: acceptance is judged on the difference.
+    metrics_url = f"{base}/metrics"
+    before: str | None = None
+    unread: HTTPFailure | None = None
+    try:
+        before = request("GET", metrics_url, deadline, 30.0).decode("utf-8", errors="replace")
+    except HTTPFailure as exc:
+        unread = exc
     responses: list[Any] = []
     url = f"{base}/v1/completions"
     for prompt in (PROMPTS * count)[:count]:
@@ -517,14 +648,17 @@ def checked(
         except HTTPFailure as exc:
             responses.append({"error": str(exc)})
     results.append(check_completions(responses))
-    url = f"{base}/metrics"
     start = None
+    after: str | None = None
     try:
-        text = request("GET", url, deadline, 30.0).decode("utf-8", errors="replace")
-        results.append(check_metrics(text, f"GET {url}"))
-        start = server_start(text)
+        if unread is not None:
+            raise unread
+        after = request("GET", metrics_url, deadline, 30.0).decode("utf-8", errors="replace")
+        results.append(check_metrics(after, f"GET {metrics_url}"))
+        start = server_start(after)
     except HTTPFailure as exc:
         results.append(Result("speculative metrics", False, str(exc)))
+    results.append(check_acceptance(before, after, floor, count))
     events, problem = load_events(events_file)
     if events is None:
         results.append(problem)  # type: ignore[arg-type]
@@ -578,6 +712,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds to wait for /health before checking (within the deadline)",
     )
     p.add_argument(
+        "--model-dir",
+        default=None,
+        help="the served checkpoint's directory, read for its claim that its draft agrees "
+        "with its target (make-checkpoint's): the acceptance floor is then "
+        f"{AGREEING_FLOOR:g}",
+    )
+    p.add_argument(
+        "--min-acceptance",
+        type=types.fraction,
+        default=None,
+        help=f"the acceptance floor, a number from 0 to 1 (default: {FLOOR_ENV}, else "
+        f"{AGREEING_FLOOR:g} on a checkpoint whose draft agrees, else {DEFAULT_FLOOR:g})",
+    )
+    p.add_argument(
         "--deadline",
         type=types.positive,
         default=DEFAULT_DEADLINE,
@@ -598,6 +746,25 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    user, source = args.min_acceptance, "--min-acceptance"
+    if user is None and os.environ.get(FLOOR_ENV, "").strip():
+        source = FLOOR_ENV
+        try:
+            user = types.fraction(os.environ[FLOOR_ENV].strip())
+        except argparse.ArgumentTypeError as exc:
+            print(f"hybrid-draft smoke: {FLOOR_ENV}: {exc}", file=sys.stderr)
+            return 2
+    if args.model_dir is not None and not os.path.isdir(args.model_dir):
+        print(
+            f"hybrid-draft smoke: --model-dir {files.show_path(args.model_dir)}: not a directory",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        floor = floor_for(user, source, args.model_dir)
+    except (OSError, ValueError) as exc:
+        print(f"hybrid-draft smoke: --model-dir: {files.error_line(exc)}", file=sys.stderr)
+        return 2
     mode = args.mode
     if mode is None:
         try:
@@ -609,7 +776,9 @@ def main(args: argparse.Namespace) -> int:
         limit = min(args.wait, deadline.seconds)
         print(f"FAIL health: {base}/health did not answer within {limit:g} s", flush=True)
         return 1
-    results, judged = checked(base, args.model, args.events_file, mode, args.completions, deadline)
+    results, judged = checked(
+        base, args.model, args.events_file, mode, args.completions, deadline, floor
+    )
     for r in results:
         print(r.line(), flush=True)
     if judged is not None:

@@ -4,7 +4,9 @@ A layout is the ordered list of tensors a Hugging Face export of an architecture
 (names, shapes, dtypes) plus its ``config.json``. Tensors are written in export order and
 packed greedily into shards, so the MTP layer lands where a real export puts it (the last
 shard or two) unless it is asked to have a shard of its own. Weights are seeded random
-values; ``fill="sparse"`` writes the headers only and leaves the data as a hole, which gives
+values, or, with ``draft="agrees"``, the same with the tensors :mod:`hybrid_draft.tools.agree`
+sets so that the MTP draft agrees with its target (make-checkpoint's default);
+``fill="sparse"`` writes the headers only and leaves the data as a hole, which gives
 full-size layouts (a 688 GB DeepSeek-V3) that cost no disk and read as zeros.
 
 Only the standard library is needed, except for ``fill="normal"`` (numpy) and the tokenizer
@@ -597,13 +599,21 @@ def _noise_blocks(seed: int) -> Iterator[bytes]:
         yield block
 
 
-def _write_data(f: object, tensors: list[Tensor], fill: str, seed: int) -> None:
+def _write_data(
+    f: object, tensors: list[Tensor], fill: str, seed: int, construction: Any = None
+) -> None:
     if fill == "normal":
         import numpy as np
 
         rng = np.random.default_rng(seed)
         for t in tensors:
-            f.write(_normal_bytes(t, rng))  # type: ignore[attr-defined]
+            data = _normal_bytes(t, rng)  # drawn whatever follows: the others keep theirs
+            value = construction.value(t.name, t.shape) if construction is not None else None
+            if value is not None:
+                from hybrid_draft.tools import agree
+
+                data = agree.to_bytes(value, t.dtype)
+            f.write(data)  # type: ignore[attr-defined]
         return
     # "noise": fast incompressible bytes for large benchmark checkpoints.
     remaining = sum(t.nbytes for t in tensors)
@@ -725,15 +735,31 @@ def write_checkpoint(
     *,
     fill: str = "normal",
     seed: int = 0,
+    draft: str | None = None,
 ) -> Path:
     """Write ``config.json``, the shards and, last, the safetensors index; return the directory.
 
     ``fill``: ``normal`` (finite seeded values, numpy), ``noise`` (fast random bytes) or
-    ``sparse`` (headers only; the data is a hole in the file). Each file is written by
-    :func:`write_file` (never through a symbolic link).
+    ``sparse`` (headers only; the data is a hole in the file). ``draft``: ``agrees`` (with
+    ``fill="normal"``: the MTP draft agrees with its target by construction,
+    :mod:`hybrid_draft.tools.agree`), ``random``, or None (no claim in the index). Each file is
+    written by :func:`write_file` (never through a symbolic link).
     """
     if fill not in ("normal", "noise", "sparse"):
         raise ValueError(f"fill={fill!r}: accepted values are normal, noise, sparse")
+    from hybrid_draft.tools import agree
+
+    construction = None
+    claim: dict[str, str] | None = None
+    if draft == agree.AGREES:
+        if fill != "normal":
+            raise ValueError(f"fill={fill!r} writes no values a draft could agree with")
+        construction = agree.Construction(layout.config, seed)
+        claim = construction.claim()
+    elif draft == agree.RANDOM:
+        claim = {"draft": agree.RANDOM if layout.is_mtp else agree.NONE}
+    elif draft is not None:
+        raise ValueError(f"draft={draft!r}: accepted values are agrees, random, None")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_text(out / "config.json", json.dumps(layout.config, indent=2) + "\n")
@@ -754,12 +780,15 @@ def write_checkpoint(
             if fill == "sparse":
                 f.truncate(len(header) + size)
             else:
-                _write_data(f, tensors, fill, seed * 100003 + i)
+                _write_data(f, tensors, fill, seed * 100003 + i, construction)
 
         write_file(out / name, write)
         weight_map.update({t.name: name for t in tensors})
         total += size
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    metadata: dict[str, Any] = {"total_size": total}
+    if claim is not None:
+        metadata[agree.CLAIM_KEY] = claim
+    index = {"metadata": metadata, "weight_map": weight_map}
     _write_text(out / checkpoint.INDEX_NAME, json.dumps(index, indent=1) + "\n")
     return out
 

@@ -109,6 +109,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="interpreter starts per variant for the .pth cost (0 skips)",
     )
     p.add_argument(
+        "--weight-update",
+        type=types.at_most(types.positive, MAX_SIZE_GIB),
+        nargs="?",
+        const=0.5,
+        default=None,
+        metavar="GIB",
+        help="instead of the load strategies: one training step's weight sync, the draft "
+        "updated by vLLM's own draft session or by the target's session alone, on a served "
+        "model of GIB GiB (default 0.5; needs a vLLM that serves on this host); writes "
+        "OUT/weight-update.json",
+    )
+    p.add_argument(
         "--hook-runs",
         type=types.integer(0, 10_000),
         default=3,
@@ -654,6 +666,8 @@ def _main(args: argparse.Namespace) -> int:
         vllm_available,
     )
 
+    if args.weight_update is not None:
+        return _weight_update(args)
     if args.without_vllm:
         block_vllm()
     # vLLM's import would start background kernel builds in this process and in every
@@ -802,6 +816,21 @@ def _main(args: argparse.Namespace) -> int:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _weight_update(args: argparse.Namespace) -> int:
+    """``--weight-update``: the sessions' benchmark (``tools/bench/sessions.py``)."""
+    from hybrid_draft.tools.bench import sessions
+    from hybrid_draft.tools.bench.strategies import vllm_available
+
+    if args.without_vllm or not vllm_available():
+        raise BenchError("--weight-update serves a model with vLLM, which is not importable here")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return sessions.main(out, args.weight_update, args.runs)
+    except sessions.Unservable as exc:
+        raise BenchError(str(exc)) from None
 
 
 def print_report(result: dict[str, Any]) -> None:
