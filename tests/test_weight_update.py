@@ -557,3 +557,32 @@ def test_an_invalid_setting_stops_the_session_before_vllm_begins_it(
     assert error["source"] == "HYBRID_DRAFT_RELOAD"
     monkeypatch.delenv("HYBRID_DRAFT_RELOAD")
     trainer.session([{}])  # the next session is vLLM's as ever
+
+
+def test_with_vllms_direct_reload_of_the_target_the_draft_is_updated_all_the_same(
+    deepseek: Path,
+    step2: Path,
+    booted: Any,
+    backend: str,
+    events: Events,
+    tmp_path: Path,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.34's ``VLLM_RELOAD_MODE=direct`` (set for the whole process, from the first
+    load) writes the target's chunks straight into its storage, with no layerwise reload and
+    no rollback; the draft's update is still vLLM's layerwise reload of the draft's own
+    layers, taken whole at the session's end."""
+    import vllm.envs as envs
+
+    if not hasattr(envs, "VLLM_RELOAD_MODE"):
+        pytest.skip("this vLLM has no direct reload (VLLM_RELOAD_MODE)")
+    monkeypatch.setenv("VLLM_RELOAD_MODE", "direct")
+    runner = runner_for(deepseek, backend)
+
+    Trainer(runner, tmp_path).session([checkpoint_tensors(step2)])
+
+    assert differing(runner.get_model(), state(booted.target)) == []
+    assert differing(runner.get_draft_model(), state(booted.draft)) == []
+    (decision,) = sessions(events, DECISION, "draft")
+    assert decision["reason"] == "weight_update"
