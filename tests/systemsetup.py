@@ -53,6 +53,18 @@ PYTHONS = ("python3", "/usr/bin/python3")
 UPDATE_SUITES = re.compile(r"-(updates|security|proposed-updates)$")
 #: An installed version apt finds in no list of its sources.
 LOCAL = "local"
+#: Where scripts/system-setup keeps the lists it installs by (the host's own sources, fetched
+#: afresh into a folder of its own so that the host's package index stays as it was): a
+#: package it installed at a version the host's older lists do not hold yet (a security
+#: update published since) is found there.
+SETUP_LISTS = (
+    Path(
+        os.environ.get(
+            "HYBRID_DRAFT_SYSTEM_TOOLS", Path(__file__).resolve().parents[1] / "build/system-tools"
+        )
+    )
+    / "host-apt/lists"
+)
 #: How many changes the one line of ``compare`` names before it counts the rest.
 SHOWN = 12
 
@@ -218,16 +230,19 @@ def upgradable_in(policy: str) -> dict[str, str]:
     return found
 
 
-def package_policy(names: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+def package_policy(
+    names: list[str], lists: Path | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
     """:func:`installed_origins` and :func:`upgradable_in` for these packages, as apt's
-    lists stand now."""
+    lists stand now (the host's, or those in ``lists``)."""
     if shutil.which("apt-cache") is None:
         return {}, {}
     origins: dict[str, str] = {}
     upgradable: dict[str, str] = {}
+    options = ["-o", f"Dir::State::Lists={lists}"] if lists is not None else []
     for start in range(0, len(names), 500):
         out = subprocess.run(
-            ["apt-cache", "policy", *names[start : start + 500]],
+            ["apt-cache", *options, "policy", *names[start : start + 500]],
             capture_output=True,
             text=True,
             env={**os.environ, "LC_ALL": "C"},
@@ -275,11 +290,22 @@ def _read(path: Path) -> str:
         return "none"
 
 
+def merged_origins(host: dict[str, str], setup: dict[str, str]) -> dict[str, str]:
+    """Each package's origin by the host's lists, or, where they hold its installed version in
+    no release, by the set-up step's own lists (:data:`SETUP_LISTS`)."""
+    return {
+        n: setup[n] if o == LOCAL and setup.get(n, LOCAL) != LOCAL else o for n, o in host.items()
+    }
+
+
 def host_state() -> HostState:
     """The host as it is now."""
     fields = dict(line.split("=", 1) for line in _read(OS_RELEASE).splitlines() if "=" in line)
     versions = installed_packages()
     origins, upgradable = package_policy(sorted(versions))
+    unlisted = sorted(n for n, o in origins.items() if o == LOCAL)
+    if unlisted and SETUP_LISTS.is_dir():  # what the set-up step installed by, if anything
+        origins = merged_origins(origins, package_policy(unlisted, SETUP_LISTS)[0])
     # apt names a package of the host's own architecture without it (libc6, not libc6:amd64)
     origins.update(
         {

@@ -494,3 +494,28 @@ def test_the_set_up_step_adds_no_apt_source_and_installs_from_no_other_release()
     assert "apt-get update" not in host and 'apt-get -qq "${options[@]}" update' in host
     installs = re.findall(r"^(?!.*\becho\b).*\bapt-get\b.*\binstall\b.*$", code, re.M)
     assert len(installs) == 2 and all('"${options[@]}"' in ln for ln in installs), installs
+
+
+def test_a_new_package_at_a_version_only_the_set_up_steps_lists_hold_is_the_releases() -> None:
+    """scripts/system-setup installs by the host's own sources, fetched afresh into lists of
+    its own: a security update published since the host's lists were fetched is the release's
+    all the same. A version neither holds stays from no release's lists."""
+    host = {"libgpgme11": systemsetup.LOCAL, "perl": "bookworm", "nodejs": systemsetup.LOCAL}
+    setup = {"libgpgme11": "bookworm", "nodejs": systemsetup.LOCAL}
+    assert systemsetup.merged_origins(host, setup) == {
+        "libgpgme11": "bookworm",
+        "perl": "bookworm",
+        "nodejs": systemsetup.LOCAL,
+    }
+    after = HostState(
+        release="bookworm",
+        debian_version=BEFORE.debian_version,
+        pythons=BEFORE.pythons,
+        etc_apt=BEFORE.etc_apt,
+        packages={
+            **BEFORE.packages,
+            "libgpgme11:amd64": Package("1.18.0-3+deb12u1", "bookworm"),
+        },
+    )
+    changes = systemsetup.compare(BEFORE, after)
+    assert changes.violations == [] and changes.added == ["libgpgme11:amd64 1.18.0-3+deb12u1"]
