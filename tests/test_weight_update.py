@@ -282,6 +282,61 @@ def test_whatever_the_chunking_the_draft_is_the_next_steps(
     assert loaded["chunks"] == len(carrying)
 
 
+def test_with_a_quantized_copy_of_the_targets_head_the_draft_is_the_next_steps(
+    deepseek: Path,
+    step2: Path,
+    backend: str,
+    events: Events,
+    tmp_path: Path,
+    instanttensor_standin: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``draft_lm_head_quantization``: the draft's head is vLLM's quantized copy of the
+    target's, which vLLM re-derives when a target session ends; the draft's own tensors come
+    from the session, and the whole draft (copy included) is what a fresh boot of the next
+    step gives it."""
+    from vllm.config import WeightTransferConfig
+
+    spec = {"method": "mtp", "num_speculative_tokens": 1, "draft_lm_head_quantization": "fp8"}
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the only runner with the copy
+
+    def config(model: Path) -> Any:
+        return engine_config(
+            model,
+            speculative_config=spec,
+            dtype="bfloat16",
+            weight_transfer_config=WeightTransferConfig(backend=backend),
+        )
+
+    runner = model_runner(config(deepseek))
+    fresh = model_runner(config(step2))
+    draft, head = runner.get_draft_model(), runner.get_draft_model().lm_head
+    assert head is not runner.get_model().lm_head and head.weight.dtype == torch.float8_e4m3fn
+    expected = state(fresh.get_draft_model())
+    copy = {f"{MTP}shared_head.head.weight", f"{MTP}shared_head.head.weight_scale"}
+    assert copy < set(differing_exactly(draft, expected))  # the copy, the draft's own and more
+
+    # vLLM's Worker refuses model runner v2 without Triton, as the CPU worker never does.
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    Trainer(runner, tmp_path).session([checkpoint_tensors(step2)])
+
+    assert differing_exactly(draft, expected) == []
+    assert draft.lm_head is head
+    (loaded,) = sessions(events, LOADED, "draft")
+    assert loaded["tensors"] == len(draft_tensors(step2, draft))
+
+
+def differing_exactly(model: Any, expected: dict[str, torch.Tensor]) -> list[str]:
+    """``differing``, float8 tensors (which have no ``torch.equal``) by their exact float32
+    values."""
+
+    def exact(t: torch.Tensor) -> torch.Tensor:
+        return t.float() if t.element_size() == 1 and t.is_floating_point() else t
+
+    now = state(model)
+    return sorted(n for n, v in expected.items() if not torch.equal(exact(now[n]), exact(v)))
+
+
 def test_until_the_session_ends_the_draft_is_as_it_was_and_a_failed_session_leaves_it(
     runner: Any,
     step2: Path,
