@@ -64,6 +64,11 @@ class Call:
             self.vllm_config.model_config
         )
 
+    def reloads_from(self, source: policy.ReloadSource) -> bool:
+        """Whether this is a reload in place (or a weight-transfer session) whose new
+        weights come from ``source``."""
+        return self.trigger is not None and self.trigger.source == source
+
     def skips_replaced(self, setting: bool) -> bool:
         """Whether the draft's plan leaves out what vLLM replaces with the target's: the
         ``skip_replaced`` ``setting`` at a first load; always at a reload, where those

@@ -116,10 +116,9 @@ def held(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | 
     found = scope.hold_for(call.model_config) if scope is not None else None
     if found is None:
         return Held()
-    if isinstance(found, hold.Pass):  # a session's: nothing held, no budget spent
-        found.sink = current.sink
-        return Held(found, found.plan)
     found.sink = current.sink  # the draft's from here on
+    if isinstance(found, hold.Pass):  # a session's: nothing held, no budget spent
+        return Held(found, found.plan)
     changed = tuple(
         name
         for name in settings.DECISION_SETTINGS

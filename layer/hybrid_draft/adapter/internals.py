@@ -198,9 +198,10 @@ GET_DRAFT_MODEL_V2 = Name(f"{RUNNER_V2}.get_draft_model", ("self",))
 _RELOAD = "vllm.model_executor.model_loader.reload"
 START_RELOAD = Name(f"{_RELOAD}.lifecycle:start_reload", ("model",))
 FINISH_RELOAD = Name(f"{_RELOAD}.lifecycle:finish_reload", ("model", "model_config", "device"))
-INITIALIZE_LAYERWISE_RELOAD = Name(f"{_RELOAD}.layerwise:initialize_layerwise_reload", ("model",))
+_LAYERWISE = f"{_RELOAD}.layerwise"
+INITIALIZE_LAYERWISE_RELOAD = Name(f"{_LAYERWISE}:initialize_layerwise_reload", ("model",))
 FINALIZE_LAYERWISE_PROCESSING = Name(
-    f"{_RELOAD}.layerwise:finalize_layerwise_processing", ("model", "model_config")
+    f"{_LAYERWISE}:finalize_layerwise_processing", ("model", "model_config")
 )
 
 
@@ -213,7 +214,6 @@ START_WEIGHT_UPDATE = Name(f"{WORKER}.start_weight_update", ("self",))
 START_DRAFT_WEIGHT_UPDATE = Name(f"{WORKER}.start_draft_weight_update", ("self",))
 UPDATE_WEIGHTS = Name(f"{WORKER}.update_weights", ("self", "update_info"))
 FINISH_WEIGHT_UPDATE = Name(f"{WORKER}.finish_weight_update", ("self",))
-_LAYERWISE = f"{_RELOAD}.layerwise"
 LAYERWISE_INFO = Name(f"{_LAYERWISE}:LAYERWISE_INFO")
 COPY_AND_RESTORE_KERNEL_TENSORS = Name(
     f"{_LAYERWISE}:_copy_and_restore_kernel_tensors", ("layer", "info")
@@ -818,6 +818,11 @@ def world_rank() -> int | None:
     return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
 
 
+def layout_names(part: str, layout: str) -> tuple[Name, ...]:
+    """The names of ``part``'s layout labelled ``layout`` (as :func:`late_part` found it)."""
+    return next(lay.names for lay in PARTS[part] if lay.label == layout)
+
+
 @contextlib.contextmanager
 def reloading(model: Any, model_config: ModelConfig, device: Any, layout: str) -> Iterator[None]:
     """vLLM's steps of a reload in place around ``model``'s ``load_weights``, by the
@@ -826,7 +831,7 @@ def reloading(model: Any, model_config: ModelConfig, device: Any, layout: str) -
     selects), 0.33's layerwise helpers. Each layer is processed again (quantized layers
     repacked) and copied into its original storage, which CUDA graphs were captured on.
     The finish runs whatever the load did: the model is never left on the meta device."""
-    names = next(lay.names for lay in PARTS["reload"] if lay.label == layout)
+    names = layout_names("reload", layout)
     if START_RELOAD in names:
         from vllm.model_executor.model_loader.reload.lifecycle import (
             finish_reload,
@@ -1022,7 +1027,7 @@ def finalize_layerwise(model: Any, model_config: ModelConfig, layout: str) -> No
     """vLLM's end of a layerwise reload of ``model`` by the ``weight_update`` part's
     ``layout``: the layers not processed yet (attention, padded ones) processed and every
     post-load step run."""
-    names = next(lay.names for lay in PARTS["weight_update"] if lay.label == layout)
+    names = layout_names("weight_update", layout)
     if FINALIZE_LAYERWISE_RELOAD in names:
         _layerwise().finalize_layerwise_reload(model, model_config)
     else:

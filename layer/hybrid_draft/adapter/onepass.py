@@ -55,12 +55,12 @@ def _off(reason: str, detail: str | None = None) -> Tap:
 
 def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | None) -> Tap:
     """The target's one pass, or why there is none; the hold joins ``scope``."""
-    session = call.trigger is not None and call.trigger.source == "weight_update"
+    session = call.reloads_from("weight_update")
     setting = int(current.hold_budget.value)
     if setting <= 0 and not session:  # a session's pass holds nothing: no budget to spend
         return _off("hold_budget_zero")
     requested = call.request().requested_format
-    stream = call.trigger is not None and call.trigger.source == "iterator"
+    stream = call.reloads_from("iterator")
     if session:  # its own part was asked before it began (adapter/sessions.py)
         needed: tuple[str, ...] = ()
     elif stream:  # the reload's weights iterator, whatever the target's format
@@ -111,15 +111,16 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
         return _off("planning_failed", f"{type(exc).__name__}: {exc}")
     if plan is None or plan.is_unused is None or not plan.kept:
         return _off("no_plan", "the draft has no checkpoint-weight rule or keeps nothing")
-    if session:
-        passing = hold.Pass.passing(plan, draft_config, expert_filter(draft_call), current)
-        scope.holds.append(passing)
-        return Tap(passing, passing.report())
-    # A reload's target is resident already: what is free now is what the hold may share.
-    tp = max(1, call.vllm_config.parallel_config.tensor_parallel_size)
-    target_bytes = 0 if call.trigger is not None else plan.all_bytes // tp
-    limit = budget(setting, stream_device(call, requested), target_bytes)
-    made = hold.Hold.of(plan, draft_config, limit, expert_filter(draft_call), current, copy=stream)
+    skip = expert_filter(draft_call)
+    made: hold.Hold
+    if not session:
+        # A reload's target is resident already: what is free now is what the hold may share.
+        tp = max(1, call.vllm_config.parallel_config.tensor_parallel_size)
+        target_bytes = 0 if call.trigger is not None else plan.all_bytes // tp
+        limit = budget(setting, stream_device(call, requested), target_bytes)
+        made = hold.Hold.of(plan, draft_config, limit, skip, current, copy=stream)
+    else:
+        made = hold.Pass.passing(plan, draft_config, skip, current)
     scope.holds.append(made)
     return Tap(made, made.report())
 
@@ -128,7 +129,7 @@ def stream_device(call: calls.Call, requested: str) -> object:
     """Where the target's stream puts its tensors, whose memory the hold takes: vLLM's
     Run:ai iterator streams onto the host unless its streaming is distributed; a reload's
     weights iterator is held on the target's device."""
-    iterator = call.trigger is not None and call.trigger.source == "iterator"
+    iterator = call.reloads_from("iterator")
     if requested == policy.RUNAI_STREAMER and not iterator:
         extra = call.load_config.model_loader_extra_config
         if not (isinstance(extra, dict) and extra.get("distributed") is True):

@@ -136,7 +136,7 @@ def reload_draft(
     if read is not None:
         read.sources = draftread.empty_sources()
         read.skip(theirs)
-        if call.trigger is not None and call.trigger.source == "iterator":
+        if call.reloads_from("iterator"):
             needed = read.hold.needed if read.hold is not None else frozenset()
             weights = figures.observed(
                 draftload.weights(

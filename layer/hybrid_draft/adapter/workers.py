@@ -14,55 +14,37 @@ from typing import Any
 
 _WRAPPED = "__hybrid_draft_session__"
 
+#: Each of the worker's session methods, and the step of ``adapter.sessions`` it runs
+#: through (with its further arguments).
+ROUTES: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "start_weight_update": ("start", (False,)),
+    "start_draft_weight_update": ("start", (True,)),
+    "update_weights": ("chunk", ()),
+    "finish_weight_update": ("finish", ()),
+}
+
 
 def on_worker(module: Any) -> None:
     """Post-import hook for vLLM's GPU worker module (which the CPU worker subclasses)."""
     cls = getattr(module, "Worker", None)
     if not isinstance(cls, type) or cls.__module__ != module.__name__:
         return
-    for name, is_draft in (("start_weight_update", False), ("start_draft_weight_update", True)):
-        if name in vars(cls):
-            _wrap(cls, name, _start(is_draft))
-    if "update_weights" in vars(cls):
-        _wrap(cls, "update_weights", _chunk)
-    if "finish_weight_update" in vars(cls):
-        _wrap(cls, "finish_weight_update", _finish)
+    for name, (step, extra) in ROUTES.items():
+        original = vars(cls).get(name)
+        if original is not None and not getattr(original, _WRAPPED, False):
+            setattr(cls, name, _through(original, step, extra))
 
 
-def _wrap(cls: type, name: str, make: Any) -> None:
-    original = getattr(cls, name)
-    if getattr(original, _WRAPPED, False):
-        return
-    wrapper = functools.wraps(original)(make(original))
-    setattr(wrapper, _WRAPPED, True)
-    setattr(cls, name, wrapper)
+def _through(original: Any, step: str, extra: tuple[Any, ...]) -> Any:
+    """``original`` run by ``adapter.sessions``'s ``step`` (the worker, vLLM's own call, then
+    ``extra``)."""
 
-
-def _start(is_draft: bool) -> Any:
-    def make(original: Any) -> Any:
-        def start(self: Any, *args: Any, **kwargs: Any) -> Any:
-            from hybrid_draft.adapter import sessions
-
-            return sessions.start(self, lambda: original(self, *args, **kwargs), is_draft)
-
-        return start
-
-    return make
-
-
-def _chunk(original: Any) -> Any:
-    def update_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         from hybrid_draft.adapter import sessions
 
-        return sessions.chunk(self, lambda: original(self, *args, **kwargs))
+        run = getattr(sessions, step)
+        return run(self, lambda: original(self, *args, **kwargs), *extra)
 
-    return update_weights
-
-
-def _finish(original: Any) -> Any:
-    def finish_weight_update(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from hybrid_draft.adapter import sessions
-
-        return sessions.finish(self, lambda: original(self, *args, **kwargs))
-
-    return finish_weight_update
+    setattr(method, _WRAPPED, True)
+    return method

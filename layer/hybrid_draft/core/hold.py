@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from hybrid_draft import records
 from hybrid_draft.core import objectstore
@@ -98,7 +98,7 @@ class Hold:
         skip: Callable[[str], bool],
         current: Settings,
         copy: bool = False,
-    ) -> Hold:
+    ) -> Self:
         """The hold for ``plan`` within ``budget``: what this rank's draft reads (not the
         replaced tensors, not what ``skip`` says no to), in file order, while it fits;
         ``copy``: every held tensor copied (:func:`own`)."""
@@ -158,6 +158,8 @@ class Hold:
         if self.settled:
             return
         self.settled = True
+        if not self.tensors:  # nothing held (a session's pass holds nothing): nothing to check
+            return
         where = {t.name: s for s in self.plan.shards for t in s.tensors}
         shards = {where[n].location: where[n] for n in self.tensors if n in where}
         self.changed = objectstore.changed(shards.values(), objectstore.Access.of(self.settings))
@@ -221,22 +223,12 @@ class Pass(Hold):
         draft_model_config: Any,
         skip: Callable[[str], bool],
         current: Settings,
-    ) -> Pass:
+    ) -> Self:
         """The pass for ``plan``: every tensor this rank's draft reads (not the replaced
         ones, not what ``skip`` says no to), with no budget: nothing is kept."""
-        wanted = plan.reads(skip)
-        names = frozenset(t.name for t in wanted)
-        return cls(
-            plan=plan,
-            draft_model_config=draft_model_config,
-            wanted=names,
-            budget=0,
-            sink=current.sink,
-            settings=current,
-            needed=names,
-            draft_tensors=len(wanted),
-            draft_bytes=sum(t.nbytes for t in wanted),
-        )
+        made = cls.of(plan, draft_model_config, 0, skip, current)
+        made.wanted = made.needed
+        return made
 
     def report(self) -> records.OnePass:
         """The target decision's ``one_pass``: the draft's tensors the session may bring."""
@@ -262,21 +254,6 @@ class Pass(Hold):
     def missing(self) -> list[str]:
         """The draft's tensors the session has not brought, in file order."""
         return [t.name for t in self.plan.kept if t.name in self.needed - self.received]
-
-    def take(self, name: str) -> Any:
-        return None  # nothing is held
-
-    def settle(self) -> None:
-        self.settled = True  # a session reads no checkpoint objects: nothing to check
-
-    def summary(self) -> records.HoldFigures:
-        return records.HoldFigures(
-            held_tensors=0,
-            held_bytes=0,
-            peak_bytes=0,
-            budget=0,
-            held_seconds=round(time.perf_counter() - self.started, 6),
-        )
 
     def release(self, reason: str) -> None:
         """Stop passing tensors on (nothing is held: no event)."""
