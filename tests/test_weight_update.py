@@ -143,11 +143,15 @@ def runner(deepseek: Path, backend: str, instanttensor_standin: Recorder) -> Any
     return runner_for(deepseek, backend)
 
 
-def runner_for(model_dir: Path, backend: str, route: str = "v2") -> Any:
+def runner_for(model_dir: Path, backend: str, route: str = "v2", **engine_args: Any) -> Any:
+    """The runner of ``route`` for ``model_dir`` (further ``engine_args`` to vLLM's
+    ``EngineArgs``), with the session ``backend``."""
     from vllm.config import WeightTransferConfig
 
-    config = engine_config(model_dir, weight_transfer_config=WeightTransferConfig(backend=backend))
-    return model_runner(config, route)
+    transfer_config = WeightTransferConfig(backend=backend)
+    return model_runner(
+        engine_config(model_dir, weight_transfer_config=transfer_config, **engine_args), route
+    )
 
 
 def sessions(events: Events, event: str, role: str) -> list[dict[str, Any]]:
@@ -295,21 +299,10 @@ def test_with_a_quantized_copy_of_the_targets_head_the_draft_is_the_next_steps(
     target's, which vLLM re-derives when a target session ends; the draft's own tensors come
     from the session, and the whole draft (copy included) is what a fresh boot of the next
     step gives it."""
-    from vllm.config import WeightTransferConfig
-
     spec = {"method": "mtp", "num_speculative_tokens": 1, "draft_lm_head_quantization": "fp8"}
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the only runner with the copy
-
-    def config(model: Path) -> Any:
-        return engine_config(
-            model,
-            speculative_config=spec,
-            dtype="bfloat16",
-            weight_transfer_config=WeightTransferConfig(backend=backend),
-        )
-
-    runner = model_runner(config(deepseek))
-    fresh = model_runner(config(step2))
+    runner = runner_for(deepseek, backend, speculative_config=spec, dtype="bfloat16")
+    fresh = runner_for(step2, backend, speculative_config=spec, dtype="bfloat16")
     draft, head = runner.get_draft_model(), runner.get_draft_model().lm_head
     assert head is not runner.get_model().lm_head and head.weight.dtype == torch.float8_e4m3fn
     expected = state(fresh.get_draft_model())

@@ -329,12 +329,50 @@ def serving(
         server.stop()
 
 
-# --- the draft's acceptance ------------------------------------------------------------------
+# --- requests to a running server, and the draft's acceptance ---------------------------------
 
 #: What :func:`acceptance` completes: any text encodes with the generated checkpoints'
 #: byte-level tokenizer, and every prompt is longer than one token (an MTP layer's proposal
 #: at position 0 is masked).
 ACCEPTANCE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Speculative decoding")
+
+
+def post(server: Server, route: str, body: dict[str, Any] | None = None) -> Any:
+    """``body`` posted to the server's ``route``; its JSON answer (None when empty)."""
+    answer = requests.post(f"{server.url}{route}", json=body or {}, timeout=600)
+    assert answer.ok, f"{route}: {answer.status_code} {answer.text}"
+    return answer.json() if answer.content else None
+
+
+def rpc(server: Server, method: str, **kwargs: str) -> list[Any]:
+    """``method`` on every worker of a server in dev mode (``POST /collective_rpc``): each
+    one's result (the server answers a result that is not a JSON object or list with its
+    ``str``)."""
+    results: list[Any] = post(server, "/collective_rpc", {"method": method, "kwargs": kwargs})[
+        "results"
+    ]
+    return results
+
+
+def complete(server: Server, prompt: str, max_tokens: int) -> str:
+    """The server's greedy completion of ``prompt``, ``max_tokens`` long (EOS ignored)."""
+    body = {
+        "model": str(server.checkpoint.path),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 0,
+        "ignore_eos": True,
+    }
+    text: str = post(server, "/v1/completions", body)["choices"][0]["text"]
+    return text
+
+
+def metrics(server: Server) -> str:
+    """The server's ``/metrics`` (Prometheus text)."""
+    answer = requests.get(f"{server.url}/metrics", timeout=60)
+    answer.raise_for_status()
+    return answer.text
 
 
 def acceptance(
@@ -357,23 +395,7 @@ def acceptance(
     """
     from hybrid_draft.tools import smoke
 
-    def metrics() -> str:
-        answer = requests.get(f"{server.url}/metrics", timeout=30)
-        answer.raise_for_status()
-        return answer.text
-
-    before = metrics()
+    before = metrics(server)
     for prompt in prompts:
-        answer = requests.post(
-            f"{server.url}/v1/completions",
-            json={
-                "model": str(server.checkpoint.path),
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            timeout=600,
-        )
-        answer.raise_for_status()
-    return smoke.acceptance(before, metrics())
+        complete(server, prompt, max_tokens)
+    return smoke.acceptance(before, metrics(server))

@@ -33,12 +33,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
 import hostcpu
 from hybrid_draft.tools import smoke
 
-from .harness import START_TIMEOUT, Checkpoint, CpuEnv, Server, Timer, run
+from .harness import (
+    START_TIMEOUT,
+    Checkpoint,
+    CpuEnv,
+    Server,
+    Timer,
+    acceptance,
+    post,
+    rpc,
+    run,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -227,24 +236,9 @@ def probed(
         server.stop()
 
 
-def _post(server: Server, route: str, body: dict[str, Any] | None = None) -> Any:
-    answer = requests.post(f"{server.url}{route}", json=body or {}, timeout=600)
-    assert answer.ok, f"{route}: {answer.status_code} {answer.text}"
-    return answer.json() if answer.content else None
-
-
 def _rpc(server: Server, method: str, **kwargs: str) -> Any:
-    # (The server answers a result that is not a JSON object or list with its str.)
-    return _post(server, "/collective_rpc", {"method": method, "kwargs": kwargs})["results"][0]
-
-
-def _acceptance(server: Server) -> smoke.Acceptance:
-    """vLLM's counters over a few greedy completions of the server's."""
-    before = requests.get(f"{server.url}/metrics", timeout=60).text
-    for prompt in smoke.PROMPTS:
-        body = {"model": str(server.checkpoint.path), "prompt": prompt, "max_tokens": 16}
-        _post(server, "/v1/completions", {**body, "temperature": 0.0})
-    return smoke.acceptance(before, requests.get(f"{server.url}/metrics", timeout=60).text)
+    """``method``'s result on the server's one worker."""
+    return rpc(server, method, **kwargs)[0]
 
 
 def test_the_servers_collective_rpc_reloads_the_draft(probed: ProbedServer) -> None:
@@ -253,7 +247,7 @@ def test_the_servers_collective_rpc_reloads_the_draft(probed: ProbedServer) -> N
     assert len(_rpc(probed, "draft_mismatches")) == own
     _rpc(probed, "reload_weights")
     assert _rpc(probed, "draft_mismatches") == []
-    rate = _acceptance(probed).rate
+    rate = acceptance(probed, smoke.PROMPTS, 16).rate
     assert rate is not None and rate >= smoke.AGREEING_FLOOR
 
     events = probed.events()
@@ -270,16 +264,16 @@ def test_the_servers_weight_transfer_routes_update_the_draft(
     """A trainer on the server's own routes, sending the next step one shard per chunk."""
     from safetensors import safe_open
 
-    _post(probed, "/init_weight_transfer_engine", {"init_info": {}})
-    _post(probed, "/start_weight_update")
+    post(probed, "/init_weight_transfer_engine", {"init_info": {}})
+    post(probed, "/start_weight_update")
     for shard in sorted(step2.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as f:
             names = list(f.keys())
-        _post(probed, "/update_weights", {"update_info": {"path": str(shard), "names": names}})
-    _post(probed, "/finish_weight_update")
+        post(probed, "/update_weights", {"update_info": {"path": str(shard), "names": names}})
+    post(probed, "/finish_weight_update")
 
     assert _rpc(probed, "draft_differs_from", path=str(work / "step2.pt")) == []
-    rate = _acceptance(probed).rate
+    rate = acceptance(probed, smoke.PROMPTS, 16).rate
     assert rate is not None and rate >= smoke.AGREEING_FLOOR
     events = probed.events()
     (decision,) = _of(events, DECISION, "draft", "weight_update")

@@ -21,9 +21,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
-from .harness import WHEELHOUSE, Checkpoint, CpuEnv, Server, Timer, acceptance, run, serving
+from .harness import (
+    WHEELHOUSE,
+    Checkpoint,
+    CpuEnv,
+    Server,
+    Timer,
+    acceptance,
+    complete,
+    metrics,
+    rpc,
+    run,
+    serving,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -83,12 +94,9 @@ class GarbleServer(Server):
     def env(self) -> dict[str, str]:
         return {**super().env(), "VLLM_SERVER_DEV_MODE": "1"}
 
-    def rpc(self, method: str) -> list[int]:
-        """``method`` on every worker; each one's count (the server answers a result that is
-        not a JSON object or list with its ``str``)."""
-        answer = requests.post(f"{self.url}/collective_rpc", json={"method": method}, timeout=600)
-        assert answer.ok, f"{method}: {answer.status_code} {answer.text}"
-        return [int(result) for result in answer.json()["results"]]
+    def counts(self, method: str) -> list[int]:
+        """``method`` on every worker; each one's count."""
+        return [int(result) for result in rpc(self, method)]
 
 
 @dataclass
@@ -193,13 +201,13 @@ def test_a_draft_garbled_after_its_load_fails_smoke_by_acceptance(served: Served
     back, the draft passes again."""
     run, server = served.run, served.server
     assert isinstance(server, GarbleServer)
-    shuffled = server.rpc("garble_draft")
+    shuffled = server.counts("garble_draft")
     try:
         assert len(shuffled) == run.tensor_parallel and min(shuffled) > 0, shuffled
         with Timer(f"server {run.name}: hybrid-draft smoke, the draft garbled"):
             out = smoke(served)
     finally:
-        assert server.rpc("restore_draft") == shuffled
+        assert server.counts("restore_draft") == shuffled
     print(f"\n{run.name}: hybrid-draft smoke, the draft garbled\n{out.stdout}")
     assert out.returncode == 1, out.stdout
     lines = out.stdout.splitlines()
@@ -407,40 +415,20 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Speculative decodin
 COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
-def _counters(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
+def _counters(server: Server) -> dict[str, float]:
+    from hybrid_draft.tools import smoke
 
-    text = requests.get(f"{url}/metrics", timeout=30).text
-    out = dict.fromkeys(COUNTERS, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if family.name in COUNTERS and sample.name == f"{family.name}_total":
-                out[family.name] += sample.value
-    return out
+    totals = smoke.counter_totals(metrics(server), COUNTERS)
+    return {name: total or 0.0 for name, total in totals.items()}
 
 
 def test_greedy_outputs_and_draft_counters(served: Served) -> None:
     """Greedy completions and what the draft proposed and got accepted for them: recorded
     per run, and equal to the reference run's (one pass and the skip both off)."""
-    url, run = served.server.url, served.run
-    before = _counters(url)
-    texts = []
-    for prompt in PROMPTS:
-        r = requests.post(
-            f"{url}/v1/completions",
-            json={
-                "model": str(served.checkpoint.path),
-                "prompt": prompt,
-                "max_tokens": 32,
-                "temperature": 0,
-                "seed": 0,
-                "ignore_eos": True,
-            },
-            timeout=600,
-        )
-        r.raise_for_status()
-        texts.append(r.json()["choices"][0]["text"])
-    after = _counters(url)
+    server, run = served.server, served.run
+    before = _counters(server)
+    texts = [complete(server, prompt, 32) for prompt in PROMPTS]
+    after = _counters(server)
     counters = {k: after[k] - before[k] for k in COUNTERS}
     assert counters[COUNTERS[0]] > 0, "the draft proposed nothing"
     # The generated checkpoint's draft agrees with its target: none of it is rejected.
