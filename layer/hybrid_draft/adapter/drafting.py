@@ -413,7 +413,8 @@ def session_check(
             f"{session} brought none of the draft's {len(held.needed)} tensors{how}: the "
             "draft keeps its weights",
         )
-    missing = held.missing()
+    lacked = held.needed - held.received
+    missing = [t.name for t in held.plan.kept if t.name in lacked]  # in file order
     if missing:
         return policy.not_reloaded(
             decision,

@@ -200,7 +200,8 @@ class Pass(Hold):
     is held. Each tensor of the draft's the target's ``load_weights`` is given waits in
     ``pending`` only until that call returns (the engine may free or refill the chunk's
     memory once its ``update_weights`` returns), when the adapter hands them to the draft's
-    own load (:meth:`drain`); what went by is counted for the session's end (:meth:`missing`)."""
+    own load (:meth:`drain`); what went by is counted (``received``) for the session's end,
+    which compares it with ``needed`` (``drafting.session_check``)."""
 
     #: The draft's tensors the session brought (each counted once), and their bytes.
     received: set[str] = field(default_factory=set)
@@ -250,10 +251,6 @@ class Pass(Hold):
         """The draft's tensors of the call that just returned, no longer referenced here."""
         out, self.pending = self.pending, []
         return out
-
-    def missing(self) -> list[str]:
-        """The draft's tensors the session has not brought, in file order."""
-        return [t.name for t in self.plan.kept if t.name in self.needed - self.received]
 
     def release(self, reason: str) -> None:
         """Stop passing tensors on (nothing is held: no event)."""
