@@ -68,22 +68,18 @@ def rpc(llm: Any, method: str, **kwargs: str) -> Any:
     return result
 
 
-def counters(llm: Any) -> tuple[float, float]:
-    """vLLM's own counters: draft tokens accepted, and proposed."""
-    found = {m.name: m for m in llm.get_metrics()}
-    accepted = found["vllm:spec_decode_num_accepted_tokens"].value
-    drafted = found["vllm:spec_decode_num_draft_tokens"].value
-    return float(accepted), float(drafted)
-
-
 def acceptance(llm: Any) -> dict[str, float]:
-    """Greedy decoding of a few prompts; vLLM's counters over it alone."""
+    """Greedy decoding of a few prompts; vLLM's counters over it alone, read from this
+    process's Prometheus registry as smoke reads a server's ``/metrics``."""
+    import prometheus_client
     from vllm import SamplingParams
 
-    before = counters(llm)
+    from hybrid_draft.tools import smoke
+
+    before = prometheus_client.generate_latest().decode()
     llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
-    after = counters(llm)
-    return {"accepted": after[0] - before[0], "drafted": after[1] - before[1]}
+    got = smoke.acceptance(before, prometheus_client.generate_latest().decode())
+    return {"accepted": got.accepted, "drafted": got.drafted}
 
 
 def tensors(model_dir: str, keep: Any = None) -> dict[str, Any]:
