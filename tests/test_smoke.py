@@ -198,6 +198,10 @@ def test_acceptance_is_the_difference_of_two_reads_of_vllms_counters(vllm_runtim
         smoke.acceptance(after, before)
     with pytest.raises(ValueError, match="is speculative decoding on"):
         smoke.acceptance(before, vllm_metrics_text(None))
+    # A first read without the counters (not this server's): the server's history is never
+    # counted as the smoke's own.
+    with pytest.raises(ValueError, match=r"the first read had no .*_total and the second has it"):
+        smoke.acceptance(vllm_metrics_text(None), after)
 
 
 def test_the_acceptance_floor_comes_from_the_checkpoints_claim_or_the_user(

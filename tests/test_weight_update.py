@@ -218,12 +218,13 @@ def test_a_target_session_carrying_the_mtp_layer_updates_the_draft(
         "weight_transfer",
     )
     (loaded,) = sessions(events, LOADED, "draft")
+    replaced = draft_tensors(step2, draft, replaced=True)
+    assert len(replaced) == 3  # the embedding, both heads
     assert loaded["sources"] == {
         "storage": {"tensors": 0, "bytes": 0},
         "stream": {"tensors": len(own), "bytes": sum(own.values())},
-        "replaced_by_target": loaded["sources"]["replaced_by_target"],
+        "replaced_by_target": {"tensors": len(replaced), "bytes": sum(replaced.values())},
     }
-    assert loaded["sources"]["replaced_by_target"]["tensors"] == 3  # embedding, both heads
     assert (loaded["chunks"], loaded["tensors"], loaded["bytes_read"]) == (1, len(own), 0)
 
 
@@ -603,8 +604,14 @@ def test_an_invalid_setting_stops_the_session_before_vllm_begins_it(
     assert trainer.worker._weight_update_active is False
     (error,) = events.named("hybrid_draft.config_error")
     assert error["source"] == "HYBRID_DRAFT_RELOAD"
+    assert sessions(events, DECISION, "target") == []  # vLLM began no session
     monkeypatch.delenv("HYBRID_DRAFT_RELOAD")
-    trainer.session([{}])  # the next session is vLLM's as ever
+
+    trainer.session([{}])  # the next session runs, and the layer sees it
+
+    assert trainer.worker._weight_update_active is False
+    (target,) = sessions(events, LOADED, "target")
+    assert (target["chunks"], target["tensors"]) == (1, 0)
 
 
 def test_with_vllms_direct_reload_of_the_target_the_draft_is_updated_all_the_same(

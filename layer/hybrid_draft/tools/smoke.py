@@ -215,16 +215,23 @@ def acceptance(before: str, after: str) -> Acceptance:
     over engines): what the requests made between the two reads proposed and got accepted.
 
     Raises ValueError, one line, for a text that is not Prometheus text, a counter missing
-    from ``after``, or a counter that went down (another server answered the second read).
-    A counter missing from ``before`` only counts from 0."""
+    from ``after``, a counter missing from ``before`` that ``after`` has (vLLM makes its
+    counters when the server starts: the first read was not of this server's counters, and
+    what its earlier requests drafted cannot be told from the smoke's own), or a counter
+    that went down (another server answered the second read)."""
     names = (ACCEPTED_TOKENS, DRAFT_TOKENS)
     first = counter_totals(before, names)
     second = counter_totals(after, names)
     deltas = []
     for name in names:
-        now, then = second[name], first[name] or 0.0
+        now, then = second[name], first[name]
         if now is None:
             raise ValueError(f"no {name}_total (is speculative decoding on?)")
+        if then is None:
+            raise ValueError(
+                f"the first read had no {name}_total and the second has it: the server's "
+                "earlier requests cannot be told from the smoke's own"
+            )
         if now < then:
             raise ValueError(
                 f"{name}_total went down from {then:g} to {now:g} between the two reads "
