@@ -137,6 +137,15 @@ def qwen35(ckpt_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen35_step2(ckpt_root: Path) -> Path:
+    """The next training step's checkpoint of ``qwen35``: every tensor another (another
+    seed)."""
+    return _write(
+        ckpt_root, "qwen35-step2", synth.qwen3_5("tiny"), num_shards=3, mtp_own_shard=True
+    )
+
+
+@pytest.fixture(scope="session")
 def qwen35_copy(qwen35: Path, ckpt_root: Path) -> Path:
     """The same bytes in another directory: a different checkpoint by identity."""
     out = ckpt_root / "qwen35-copy"

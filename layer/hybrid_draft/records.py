@@ -122,7 +122,8 @@ class Decision:
     target_model: Opt[str | None] = ABSENT
     target_revision: Opt[str | None] = ABSENT
     #: ``load``: the model's first load; ``reload``: a reload of its weights in place;
-    #: ``weight_update``: a trainer's weight-transfer session.
+    #: ``weight_update``: a trainer's weight-transfer session; ``direct_update``: a
+    #: trainer's direct ``load_weights`` calls on the target.
     trigger: str = "load"
     #: A reload's: where the target's new weights come from (``policy.ReloadSource``).
     reload_source: Opt[str] = ABSENT
@@ -130,6 +131,10 @@ class Decision:
     #: ``draft`` for vLLM's own draft session).
     backend: Opt[str] = ABSENT
     session: Opt[str] = ABSENT
+    #: A direct update's: the checkpoint a model loader read it from (AReaL's sync from
+    #: disk), and, in its ``loaded`` events, what ended it.
+    weights_path: Opt[str] = ABSENT
+    ended_by: Opt[str] = ABSENT
     #: A target's.
     one_pass: Opt[OnePass] = ABSENT
     #: A draft's, from here to ``process_group``.
@@ -203,6 +208,8 @@ class Loaded:
     reload_source: Opt[str] = ABSENT
     backend: Opt[str] = ABSENT
     session: Opt[str] = ABSENT
+    weights_path: Opt[str] = ABSENT
+    ended_by: Opt[str] = ABSENT
     cost: Cost = dataclasses.field(metadata={"flatten": Cost})
     where: Where = dataclasses.field(metadata={"flatten": Where})
     sources: Opt[Sources] = ABSENT
@@ -212,6 +219,13 @@ class Loaded:
     #: its tensors), and the seconds its loads of them took inside those calls.
     chunks: Opt[int] = ABSENT
     chunk_seconds: Opt[float] = ABSENT
+    #: A direct update's: the caller's ``load_weights`` calls on the target (for the draft,
+    #: those that carried any of its tensors, the caller's own calls on the draft included),
+    #: the seconds the model's loads took inside them, and (a draft's) how many of the
+    #: calls the caller made on the draft itself.
+    calls: Opt[int] = ABSENT
+    call_seconds: Opt[float] = ABSENT
+    draft_calls: Opt[int] = ABSENT
     error_type: Opt[str] = ABSENT
     error: Opt[str] = ABSENT
     failed_read: Opt[FailedRead] = ABSENT

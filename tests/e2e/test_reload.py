@@ -5,9 +5,10 @@ engine, worker, model runner.
 - vLLM's offline ``LLM``, its engine in the test's driver process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``tests/e2e/updatedriver.py``):
   ``collective_rpc("reload_weights")`` with no argument, with ``weights_path`` and with a
-  weights iterator; and a trainer's weight-transfer sessions through ``LLM``'s own methods
+  weights iterator; a trainer's weight-transfer sessions through ``LLM``'s own methods
   (one chunk, one shard per chunk, an MTP layer split across two chunks, a session without
-  the MTP layer, vLLM's own draft session after it);
+  the MTP layer, vLLM's own draft session after it); and each RL framework's sync by direct
+  ``load_weights`` calls on the target, as its own source makes them;
 - the OpenAI server in dev mode (``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` and
   the weight-transfer routes (``/init_weight_transfer_engine``, ``/start_weight_update``,
   ``/update_weights``, ``/finish_weight_update``).
@@ -201,6 +202,54 @@ def test_the_offline_llms_weight_transfer_sessions_update_the_draft(
     for load in loads[:3]:
         assert load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
         assert load["sources"]["stream"]["tensors"] > 0 and load["bytes_read"] == 0
+    assert not [e for e in events if e["event"] == "hybrid_draft.load_failed"]
+
+
+def test_the_offline_llm_follows_each_rl_frameworks_direct_sync(
+    cpu_env: CpuEnv, dense: Checkpoint, step2: Path, work: Path, tmp_path: Path
+) -> None:
+    """After each framework's direct ``load_weights`` sync, as its own source makes it
+    (verl, OpenRLHF and AReaL over NCCL, AReaL from disk, skyrl, TRL, NeMo RL), the draft is
+    a fresh boot's of the synced step and proposes what the target decodes; a sync without
+    the MTP layer leaves the draft the previous step's, whole, saying so. Every linear layer
+    keeps its weight, as on a GPU (updatedriver.py: vLLM's CPU build empties them, so a
+    direct ``load_weights`` raises there with the layer or without it)."""
+    with Timer("update: a fresh boot of the next step, linear weights kept"):
+        kept = _drive(cpu_env, ["boot", step2, work / "step2-kept.pt", "--keep-linear"], work)
+    _agrees(kept["acceptance"])
+    events_file = tmp_path / "events.jsonl"
+    with Timer("update: the offline LLM, seven direct syncs"):
+        found = _drive(
+            cpu_env,
+            ["direct", dense.path, step2, work],
+            work,
+            HYBRID_DRAFT_EVENTS_FILE=str(events_file),
+        )
+    _agrees(found["boot"]["acceptance"])
+    synced = ("verl", "openrlhf", "skyrl", "trl", "nemo_rl", "areal_disk")
+    for step in synced:
+        assert found[step]["differs"] == [], (step, found[step])
+        _agrees(found[step]["acceptance"])
+    # AReaL's sync from disk of an MLA target raises vLLM's own "weights were not
+    # initialized" for the parameters MLA derives (W_UK_T, W_UV: no checkpoint holds them),
+    # with the layer or without it (tests/test_direct_update.py), once the target has taken
+    # every tensor: the draft follows what the target took.
+    assert "Following weights were not initialized" in found["areal_disk"]["error"]
+    assert "W_UK_T" in found["areal_disk"]["error"]
+    assert [found[step]["error"] for step in synced[:-1]] == [None] * 5
+    stale = found["without_mtp"]
+    assert stale["differs"] == []  # still step 1's draft, whole, while the target is step 2
+    assert stale["acceptance"]["accepted"] < smoke.AGREEING_FLOOR * stale["acceptance"]["drafted"]
+
+    events = _events(events_file)
+    decisions = _of(events, DECISION, "draft", "direct_update")
+    assert [d["reason"] for d in decisions] == [*(["direct_update"] * 6), "no_draft_tensors"]
+    loads = _of(events, LOADED, "draft", "direct_update")
+    assert [e["ended_by"] for e in loads] == ["process_weights_after_loading", *["next_step"] * 5]
+    assert loads[0]["draft_calls"] == 3  # verl fed the drafter too: nothing loaded twice
+    for load in loads:
+        assert load["sources"]["storage"] == {"tensors": 0, "bytes": 0}
+        assert load["sources"]["stream"]["tensors"] > 0
     assert not [e for e in events if e["event"] == "hybrid_draft.load_failed"]
 
 

@@ -4,8 +4,9 @@ draft (agreeing checkpoints: ``hybrid-draft make-checkpoint``), then its weights
 place, and after each update the draft compared with a fresh boot's of the checkpoint it
 should now hold, and its acceptance measured.
 
-    python updatedriver.py boot MODEL_DIR OUT.pt
-        boot MODEL_DIR and save its draft's own weights and buffers to OUT.pt;
+    python updatedriver.py boot MODEL_DIR OUT.pt [--keep-linear]
+        boot MODEL_DIR and save its draft's own weights and buffers to OUT.pt (with
+        ``--keep-linear``, every linear layer keeping its weight, as ``direct`` boots);
     python updatedriver.py reloads STEP1 STEP2 WORK_DIR
         boot STEP1 (its draft saved as WORK_DIR/step1.pt; WORK_DIR/step2.pt is STEP2's boot),
         then ``collective_rpc("reload_weights")`` three ways, the draft's own parameters
@@ -19,7 +20,23 @@ should now hold, and its acceptance measured.
         (``hybrid_draft_e2e_transfer``: vLLM's IPC engine, each chunk a file this process
         writes): the whole of STEP2 in one chunk, STEP1 one shard per chunk, STEP2 with its
         MTP layer split across two chunks, STEP1 without its MTP layer, then vLLM's own draft
-        session with STEP1's MTP block, embedding and head.
+        session with STEP1's MTP block, embedding and head;
+    python updatedriver.py direct STEP1 STEP2 WORK_DIR
+        the same boot with every linear layer keeping its weight (WORK_DIR/step2-kept.pt is
+        STEP2's boot so made), then each RL framework's sync of a whole step by direct
+        ``load_weights`` calls on the target, as its own source makes them
+        (``hybrid_draft_e2e_trainers``), reaching the worker's model runner through
+        ``collective_rpc`` with a callable, alternating STEP2 and STEP1: verl (the target and
+        the V1 runner's ``drafter``, buckets that split the MTP layer, then its post-load
+        processing), OpenRLHF, AReaL from disk, skyrl, TRL, NeMo RL, then OpenRLHF's sync of
+        STEP2 without the MTP layer. Each is judged after the next generation, which ends
+        the update for the callers that signal no end.
+
+vLLM's CPU build packs each linear weight after loading and empties the parameter, so that a
+direct ``load_weights`` raises there, with the layer or without it; a GPU keeps the weights,
+which every framework relies on. ``direct`` and ``boot --keep-linear`` give every linear
+layer vLLM's own plain-linear path, the one its CPU build takes for MLA's ``kv_b_proj``
+(``_cpu_skip_gemm_dispatch``), before the engine is built.
 
 Every load names CPU_MLA in float32 (tests/hostcpu.py: what a weight update needs on any
 host). Prints one JSON object (its last line): per step, the draft's own tensors that differ
@@ -66,6 +83,14 @@ def make_llm(model: str) -> Any:
 def rpc(llm: Any, method: str, **kwargs: str) -> Any:
     (result,) = llm.collective_rpc(method, kwargs=kwargs)
     return result
+
+
+def keep_linear_weights() -> None:
+    """Every linear layer keeps its weight after loading, as on a GPU: vLLM's own plain-linear
+    path of its CPU build (``_cpu_skip_gemm_dispatch``, MLA's ``kv_b_proj``'s), for all."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    LinearBase._cpu_skip_gemm_dispatch = True
 
 
 def acceptance(llm: Any) -> dict[str, float]:
@@ -181,6 +206,53 @@ def sessions(step1: str, step2: str, work: Path) -> dict[str, Any]:
     return out
 
 
+def direct(step1: str, step2: str, work: Path) -> dict[str, Any]:
+    """Each framework's direct sync, alternating the two steps, each judged after a step."""
+    import hybrid_draft_e2e_trainers as trainers
+
+    keep_linear_weights()
+    steps = Steps(step1, step2, work)
+    steps.reference[step2] = str(work / "step2-kept.pt")
+    llm, out = steps.llm, steps.found
+    mtp = mtp_prefix(step1)
+
+    def synced(step: str, holds: str, sync: Any) -> None:
+        """``sync(model_runner)`` in the worker (what it raised, if anything), then the next
+        generation (which ends an update its caller signals no end of), then the draft
+        against ``holds``'s boot."""
+        found: dict[str, Any] = {"error": None}
+        try:
+            llm.collective_rpc(lambda worker: sync(worker.model_runner))
+        except Exception as exc:  # what the framework's own call raised, said
+            found["error"] = f"{type(exc).__name__}: {exc}"
+        found["acceptance"] = acceptance(llm)
+        found["differs"] = rpc(llm, "draft_differs_from", path=steps.reference[holds])
+        out[step] = found
+
+    every = {step1: tensors(step1), step2: tensors(step2)}
+
+    def cut(step: str) -> list[str]:
+        """Buckets: the base model, then the MTP layer split inside its fused projection."""
+        names = list(every[step])
+        first = next(i for i, n in enumerate(names) if n.startswith(mtp))
+        return [names[first - 1], f"{mtp}self_attn.q_a_proj.weight"]
+
+    for name, step, holds in (
+        ("verl", "verl", step2),
+        ("openrlhf", "openrlhf", step1),
+        ("skyrl", "skyrl", step2),
+        ("trl", "trl", step1),
+        ("nemo_rl", "nemo_rl", step2),
+    ):
+        sync = trainers.SYNCS[name]
+        synced(step, holds, lambda runner, s=sync, h=holds: s(runner, every[h], cut(h)))
+    synced("areal_disk", step1, lambda runner: trainers.areal_disk(runner, step1))
+    # The base model alone: the draft keeps step 1's weights while the target is step 2's.
+    base = {n: t for n, t in every[step2].items() if not n.startswith(mtp)}
+    synced("without_mtp", step1, lambda runner: trainers.openrlhf(runner, base))
+    return out
+
+
 def shard_names(model_dir: str) -> list[set[str]]:
     from safetensors import safe_open
 
@@ -195,11 +267,14 @@ def main() -> None:
     what = sys.argv[1]
     if what == "boot":
         model, path = sys.argv[2:4]
+        if sys.argv[4:] == ["--keep-linear"]:
+            keep_linear_weights()
         llm = make_llm(model)
         found = {"saved": rpc(llm, "save_draft", path=path), "acceptance": acceptance(llm)}
-    elif what in ("reloads", "sessions"):
+    elif what in ("reloads", "sessions", "direct"):
         step1, step2, work = sys.argv[2:5]
-        found = (reloads if what == "reloads" else sessions)(step1, step2, Path(work))
+        run = {"reloads": reloads, "sessions": sessions, "direct": direct}[what]
+        found = run(step1, step2, Path(work))
     else:
         raise SystemExit(f"sessiondriver: unknown command {what!r}")
     print(json.dumps(found))

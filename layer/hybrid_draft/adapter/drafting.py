@@ -58,6 +58,11 @@ if TYPE_CHECKING:
     from vllm.config import LoadConfig, VllmConfig
 
 
+#: The decisions of a draft that takes its tensors from its target's update as they pass
+#: (a weight-transfer session's, a trainer's direct ``load_weights`` calls).
+CARRIED_REASONS = ("weight_update", "direct_update")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Draft:
     """One draft load as decided."""
@@ -211,8 +216,8 @@ def draft(
         decision = reload_check(decision, plan if same else None, found.hold, ours, call)
     load_config: LoadConfig | None = None
     reads = False
-    if decision.reason in ("reload_stream", "weight_update"):
-        reads = True  # from the hold (or what a session passed on) alone: no loader, no storage
+    if decision.reason in ("reload_stream", *CARRIED_REASONS):
+        reads = True  # from the hold (or what an update passed on) alone: no loader, no storage
     elif decision.switched and failure is None:
         family = decision.chosen_format not in (policy.SAFETENSORS, policy.SELECTIVE_FORMAT)
         if not ours and family:  # a fastsafetensors or Run:ai draft: its target's loader
@@ -317,11 +322,15 @@ def empty_sources(
 
 
 def passed_sources(passing: hold.Pass) -> dict[str, dict[str, int]]:
-    """A session's draft's ``sources``: what the session passed on (``stream``), nothing
-    from storage, and what vLLM shares with the target (the target's session loaded it)."""
+    """A carried draft's ``sources``: what its target's update passed on (``stream``), what
+    was read from storage where that lacked some (``storage``), and what vLLM shares with
+    the target (the target's update loaded it)."""
     sources = passing.plan.sources()
-    sources["storage"] = {"tensors": 0, "bytes": 0}
-    sources["stream"] = {"tensors": len(passing.received), "bytes": passing.received_bytes}
+    sources["storage"] = {"tensors": passing.read_tensors, "bytes": passing.read_bytes}
+    sources["stream"] = {
+        "tensors": len(passing.received) - passing.read_tensors,
+        "bytes": passing.received_bytes - passing.read_bytes,
+    }
     return sources
 
 
@@ -343,7 +352,7 @@ def reload_check(
     of them, keeps its weights."""
     if decision.reason == "draft_session":
         return decision  # vLLM's own: it loads what the trainer sends
-    if decision.reason == "weight_update":
+    if decision.reason in CARRIED_REASONS:
         return session_check(decision, held, ours, call)
     if decision.reason == "reload_stream":
         if not ours or held is None:
@@ -384,14 +393,19 @@ def reload_check(
 def session_check(
     decision: policy.Decision, held: hold.Hold | None, ours: bool, call: calls.Call
 ) -> policy.Decision:
-    """A target session's draft at the session's end: it takes what the session passed on
-    only if that is every one of its tensors (the draft is never left part one step's and
-    part another's)."""
-    backend = call.trigger.backend if call.trigger is not None else None
-    session = f"the {backend} session" if backend else "the session"
+    """A target session's (or direct update's) draft at its end: it takes what the update
+    passed on only if that is every one of its tensors (the draft is never left part one
+    step's and part another's)."""
+    trigger = call.trigger
+    backend = trigger.backend if trigger is not None else None
+    direct = trigger is not None and trigger.source == "direct"
+    if direct:
+        session = "the direct update"
+    else:
+        session = f"the {backend} session" if backend else "the session"
     if not ours or not isinstance(held, hold.Pass):
         why = (
-            "the draft has no plan to take its tensors from the session by"
+            f"the draft has no plan to take its tensors from {session} by"
             if not ours
             else f"{session} passed nothing on to it (the target decision's one_pass says why)"
         )
@@ -403,7 +417,7 @@ def session_check(
     if not held.received:
         how = (
             ""
-            if held.offered
+            if held.offered or direct
             else " (its engine loaded the target without the model's load_weights, writing "
             "the parameters itself)"
         )

@@ -226,16 +226,41 @@ LAYER_RELOADING_INFO = Name(
 FINALIZE_LAYERWISE_RELOAD = Name(
     f"{_LAYERWISE}:finalize_layerwise_reload", ("model", "model_config")
 )
-_SESSION_NAMES = (
-    START_WEIGHT_UPDATE,
-    START_DRAFT_WEIGHT_UPDATE,
-    UPDATE_WEIGHTS,
-    FINISH_WEIGHT_UPDATE,
+#: The attention-like layers vLLM's layerwise reload processes last (MLA's ``W_UK_T`` and
+#: ``W_UV``, derived from ``kv_b_proj``): processed again when a staged update is undone.
+IS_DEFERRED_ATTENTION = Name(
+    "vllm.model_executor.layers.attention:is_deferred_attention_layer", ("layer",)
+)
+#: The staging of the draft's own layers that a session's or a direct update's draft takes.
+_STAGING = (
     INITIALIZE_LAYERWISE_RELOAD,
     LAYERWISE_INFO,
     COPY_AND_RESTORE_KERNEL_TENSORS,
     PLACE_KERNEL_TENSORS,
     LAYER_RELOADING_INFO,
+    IS_DEFERRED_ATTENTION,
+)
+_SESSION_NAMES = (
+    START_WEIGHT_UPDATE,
+    START_DRAFT_WEIGHT_UPDATE,
+    UPDATE_WEIGHTS,
+    FINISH_WEIGHT_UPDATE,
+    *_STAGING,
+)
+
+# A trainer's direct ``load_weights`` calls on the served target (``adapter/direct.py``): the
+# caller's own end of an update (vLLM's post-load processing, which verl and NeMo RL call on
+# each model they fed), and a model loader's ``load_weights`` on the served model (AReaL's
+# sync from a new checkpoint on disk).
+PROCESS_WEIGHTS_AFTER_LOADING = Name(
+    "vllm.model_executor.model_loader.utils:process_weights_after_loading",
+    ("model", "model_config", "target_device"),
+)
+#: vLLM's re-derivation of a draft's quantized copy of the target's head
+#: (``draft_lm_head_quantization``), which its own weight updates run: optional (a vLLM
+#: without it makes no such copy).
+REFRESH_QUANTIZED_LM_HEADS = (
+    "vllm.model_executor.layers.quantization.online.lm_head:refresh_quantized_lm_heads"
 )
 
 
@@ -343,12 +368,29 @@ PARTS: Mapping[str, tuple[Layout, ...]] = MappingProxyType(
                 (*_SESSION_NAMES, FINALIZE_LAYERWISE_PROCESSING),
             ),
         ),
+        # The draft updated with its target by a trainer's direct ``load_weights`` calls: the
+        # same staging, the caller's post-load processing and a loader's ``load_weights``.
+        "direct_update": (
+            Layout(
+                "layerwise reload",
+                (*_STAGING, FINALIZE_LAYERWISE_RELOAD, PROCESS_WEIGHTS_AFTER_LOADING, LOAD_WEIGHTS),
+            ),
+            Layout(
+                "layerwise processing",
+                (
+                    *_STAGING,
+                    FINALIZE_LAYERWISE_PROCESSING,
+                    PROCESS_WEIGHTS_AFTER_LOADING,
+                    LOAD_WEIGHTS,
+                ),
+            ),
+        ),
     }
 )
 #: Parts probed at each use rather than once per process: their modules import vLLM's
 #: model loader themselves, so at the hook (inside that import) they may be half-imported.
 #: ``reload`` is probed for the model runner at hand only (:func:`reload_layout`).
-LATE = frozenset({"skip_replaced", "reload", "weight_update"})
+LATE = frozenset({"skip_replaced", "reload", "weight_update", "direct_update"})
 
 
 def vllm_version() -> str | None:
@@ -995,7 +1037,7 @@ def initialize_layerwise(module: Any) -> None:
 def holding_back(hold_back: Callable[[Any, Any], bool]) -> Iterator[None]:
     """While open, each layer vLLM's layerwise reload has processed is offered to
     ``hold_back(layer, info)`` before its copy into the layer's original storage; a layer
-    held back keeps its processed tensors until :func:`restore_kernel_tensors` or
+    held back keeps its processed tensors until :func:`exchange_kernel_tensors` or
     :func:`place_kernel_tensors` is called for it with what ``info`` held."""
     module = _layerwise()
     name = COPY_AND_RESTORE_KERNEL_TENSORS.path.partition(":")[2]
@@ -1012,10 +1054,81 @@ def holding_back(hold_back: Callable[[Any, Any], bool]) -> Iterator[None]:
         setattr(module, name, original)
 
 
-def restore_kernel_tensors(layer: Any, info: Any) -> None:
-    """Copy ``layer``'s processed tensors into its original storage and put those back (vLLM's
-    own step; outside :func:`holding_back`)."""
-    _layerwise()._copy_and_restore_kernel_tensors(layer, info)
+#: The most bytes one step of :func:`exchange_kernel_tensors` copies through a buffer of its
+#: own: the exchange of a layer's processed and original values holds no more beside them.
+EXCHANGE_CHUNK = 64 << 20
+
+
+def _kernel_pairs(layer: Any, info: Any) -> list[tuple[Any, Any]]:
+    """Each (original tensor, processed one) that vLLM's ``_copy_and_restore_kernel_tensors``
+    copies for ``layer``: its parameters, and the buffers it has still that are persistent
+    or were loaded."""
+    parameters, buffers = info.kernel_tensors
+    loaded = {name for name, _ in info.loaded_weights}
+    pairs = [(param, getattr(layer, name)) for name, param in parameters.items()]
+    pairs += [
+        (buffer, getattr(layer, name))
+        for name, buffer in buffers.items()
+        if name in layer._buffers
+        and not (name in info.kernel_non_persistent_buffers and name not in loaded)
+    ]
+    return pairs
+
+
+def _exchange(original: Any, processed: Any) -> Any:
+    """``processed``'s values into ``original`` (vLLM's copy), and the tensor that holds
+    ``original``'s previous values after it: ``processed`` itself where both are alike (the
+    values exchanged, at most :data:`EXCHANGE_CHUNK` bytes at a time), else a copy."""
+    import torch
+
+    with torch.no_grad():
+        if original.data_ptr() == processed.data_ptr():
+            return processed
+        alike = (
+            original.shape == processed.shape
+            and original.dtype == processed.dtype
+            and original.dim() > 0
+        )
+        if not alike:
+            previous = original.detach().clone()
+            original.copy_(processed)
+            return previous
+        rows = original.shape[0]
+        row_bytes = max(1, original[0].numel() * original.element_size())
+        step = max(1, EXCHANGE_CHUNK // row_bytes)
+        for start in range(0, rows, step):
+            part = slice(start, start + step)
+            kept = original[part].clone()
+            original[part].copy_(processed[part])
+            processed[part].copy_(kept)
+        return processed
+
+
+def exchange_kernel_tensors(layer: Any, info: Any) -> list[tuple[Any, Any]]:
+    """vLLM's last step of processing a reloaded layer (``_copy_and_restore_kernel_tensors``:
+    its processed values copied into its original storage, which CUDA graphs were captured
+    on, and its original tensors put back), undoably: returns each original tensor with the
+    tensor holding its previous values (:func:`undo_exchange` puts them back). A failure part
+    way undoes this layer's own copies before it is raised."""
+    done: list[tuple[Any, Any]] = []
+    try:
+        for original, processed in _kernel_pairs(layer, info):
+            done.append((original, _exchange(original, processed)))
+        _layerwise()._place_kernel_tensors(layer, info)
+    except BaseException:
+        undo_exchange(done)
+        raise
+    return done
+
+
+def undo_exchange(done: list[tuple[Any, Any]]) -> None:
+    """Each original tensor of :func:`exchange_kernel_tensors` back to its previous values."""
+    import torch
+
+    with torch.no_grad():
+        for original, previous in reversed(done):
+            if original.data_ptr() != previous.data_ptr():
+                original.copy_(previous)
 
 
 def place_kernel_tensors(layer: Any, info: Any) -> None:
@@ -1023,11 +1136,38 @@ def place_kernel_tensors(layer: Any, info: Any) -> None:
     _layerwise()._place_kernel_tensors(layer, info)
 
 
-def finalize_layerwise(model: Any, model_config: ModelConfig, layout: str) -> None:
-    """vLLM's end of a layerwise reload of ``model`` by the ``weight_update`` part's
-    ``layout``: the layers not processed yet (attention, padded ones) processed and every
-    post-load step run."""
-    names = layout_names("weight_update", layout)
+def is_deferred_attention(layer: Any) -> bool:
+    """Whether vLLM processes ``layer`` at the end of a layerwise reload (an attention-like
+    layer, whose derived tensors are computed from other layers' weights)."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    return bool(is_deferred_attention_layer(layer))
+
+
+def process_attention(layer: Any, dtype: Any) -> None:
+    """vLLM's post-load processing of an attention-like ``layer`` (its tensors derived from
+    other layers' weights), as this release's layerwise reload calls it: with the
+    activation ``dtype`` where the hook takes one (0.33), else alone (0.34)."""
+    hook = layer.process_weights_after_loading
+    if inspect.signature(hook).parameters:
+        hook(dtype)
+    else:
+        hook()
+
+
+def refresh_quantized_heads(model: Any) -> None:
+    """vLLM's re-derivation of ``model``'s quantized copies of its target's head, which its
+    own weight updates run when the target's head changed (a no-op on a vLLM without it)."""
+    refresh = _lookup(REFRESH_QUANTIZED_LM_HEADS, None)
+    if refresh is not _ABSENT and callable(refresh):
+        refresh(model)
+
+
+def finalize_layerwise(model: Any, model_config: ModelConfig, part: str, layout: str) -> None:
+    """vLLM's end of a layerwise reload of ``model`` by ``part``'s ``layout`` (the
+    ``weight_update`` or ``direct_update`` part): the layers not processed yet (attention,
+    padded ones) processed and every post-load step run."""
+    names = layout_names(part, layout)
     if FINALIZE_LAYERWISE_RELOAD in names:
         _layerwise().finalize_layerwise_reload(model, model_config)
     else:

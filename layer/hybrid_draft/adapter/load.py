@@ -16,7 +16,8 @@ its weights: no load, no ``loaded`` event.
 A trainer's weight-transfer session (``adapter.sessions``) spans several calls into the
 worker, so the model it loads into is decided when it starts (:func:`begin`, which emits the
 decision) and reported when it ends (:func:`end`); :func:`run` is the two around one call.
-Its events say ``trigger: "weight_update"``.
+Its events say ``trigger: "weight_update"``. A trainer's direct ``load_weights`` calls on the
+target (``adapter.direct``) span calls the same way: ``trigger: "direct_update"``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ SWITCH_MESSAGE = {
     "tensors from the weights iterator the target model reloaded from",
     policy.WEIGHT_TRANSFER: "Hybrid draft loading: updating the speculative draft with its "
     "tensors from the target model's weight-transfer session",
+    policy.DIRECT_LOAD: "Hybrid draft loading: updating the speculative draft with its "
+    "tensors from the direct load_weights calls on the target model",
 }
 
 
@@ -122,8 +125,8 @@ class Load:
 
     @property
     def occasion(self) -> dict[str, Any]:
-        """The events' ``trigger`` and ``reload_source``, or a session's ``backend`` and
-        ``session``."""
+        """The events' ``trigger`` and ``reload_source``, a session's ``backend`` and
+        ``session``, or a direct update's ``weights_path`` and ``ended_by``."""
         trigger = self.trigger
         if trigger is None:
             return {"trigger": "load"}
@@ -132,6 +135,12 @@ class Load:
                 "trigger": trigger.kind,
                 "backend": trigger.backend or ABSENT,
                 "session": trigger.session or ABSENT,
+            }
+        if trigger.source == "direct":
+            return {
+                "trigger": trigger.kind,
+                "weights_path": trigger.weights_path or ABSENT,
+                "ended_by": trigger.ended_by or ABSENT,
             }
         return {"trigger": trigger.kind, "reload_source": trigger.source}
 
@@ -207,19 +216,25 @@ class Load:
         cost: records.Cost,
         exc: BaseException | None,
         failed_read: records.FailedRead | None = None,
-        chunks: tuple[int, float] | None = None,
+        calls: tuple[int, float] | None = None,
     ) -> records.Loaded:
-        """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised ``exc``; a
-        session's model with its ``chunks`` (how many, and the seconds its loads took)."""
+        """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised ``exc``; the
+        model of an update that spans calls (a session's chunks, a direct update's calls)
+        with its ``calls`` (how many, and the seconds its loads took in them)."""
         read, tap = self.read, self.tap
         held: records.HoldFigures | records.Absent = ABSENT
+        fed: int | records.Absent = ABSENT
         if tap is not None and not isinstance(tap, hold.Pass):
             held = tap.summary()
         if read is not None and read.hold is not None:
-            if isinstance(read.hold, hold.Pass):  # a session's draft: what passed, no hold
-                chunks = (read.hold.chunks, read.hold.seconds)
+            if isinstance(read.hold, hold.Pass):  # a carried draft: what passed, no hold
+                calls, fed = (read.hold.chunks, read.hold.seconds), read.hold.fed
             else:
                 held = read.hold.summary()
+        count = calls[0] if calls is not None else ABSENT
+        seconds = round(calls[1], 6) if calls is not None else ABSENT
+        session = self.trigger is not None and self.trigger.source == "weight_update"
+        direct = self.trigger is not None and self.trigger.source == "direct"
         return records.Loaded(
             role=self.role,
             model=self.model,
@@ -230,8 +245,11 @@ class Load:
             where=self.where,
             sources=read.sources if read is not None and read.sources else ABSENT,
             one_pass=held,
-            chunks=chunks[0] if chunks is not None else ABSENT,
-            chunk_seconds=round(chunks[1], 6) if chunks is not None else ABSENT,
+            chunks=count if session else ABSENT,
+            chunk_seconds=seconds if session else ABSENT,
+            calls=count if direct else ABSENT,
+            call_seconds=seconds if direct else ABSENT,
+            draft_calls=fed if direct else ABSENT,
             error_type=type(exc).__name__ if exc is not None else ABSENT,
             error=str(exc) if exc is not None else ABSENT,
             failed_read=failed_read or ABSENT,
@@ -362,12 +380,14 @@ def unready() -> str | None:
 @dataclass
 class Active:
     """One load between its decision and its outcome: what was decided, and its figures so
-    far (a session's model: ``chunks`` and ``chunk_seconds``, as the session counts them)."""
+    far (the model of an update that spans calls: ``calls`` and ``call_seconds``, a
+    session's chunks or a direct update's ``load_weights`` calls, as the update counts
+    them)."""
 
     load: Load
     cost: figures.LoadStats
-    chunks: int = 0
-    chunk_seconds: float = 0.0
+    calls: int = 0
+    call_seconds: float = 0.0
 
 
 def begin(resolve: Callable[[], calls.Call], trigger: policy.Reload | None = None) -> Active | None:
@@ -425,12 +445,9 @@ def end(active: Active, exc: BaseException | None) -> None:
     load that raised ``exc`` (a target's hold checked first, :func:`_settle`)."""
     if exc is None:
         _settle(active.load)
-    chunks = (
-        (active.chunks, active.chunk_seconds)
-        if active.load.trigger is not None and active.load.trigger.source == "weight_update"
-        else None
-    )
-    _finish(active.load, active.cost, exc, chunks)
+    trigger = active.load.trigger
+    calls = (active.calls, active.call_seconds) if trigger is not None and trigger.carries else None
+    _finish(active.load, active.cost, exc, calls)
 
 
 def run(
@@ -491,12 +508,12 @@ def _finish(
     load: Load,
     cost: figures.LoadStats,
     exc: BaseException | None,
-    chunks: tuple[int, float] | None = None,
+    calls: tuple[int, float] | None = None,
 ) -> None:
     """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised; a fault here is
     reported as ``hybrid_draft.layer_error``, never raised over the load's own outcome."""
     try:
-        record = load.loaded_record(cost.cost(), exc, _failed_read(load, cost, exc), chunks)
+        record = load.loaded_record(cost.cost(), exc, _failed_read(load, cost, exc), calls)
         if exc is None:
             emit("hybrid_draft.loaded", sink=load.sink, **records.render(record))
         else:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from hybrid_draft.adapter import sharing
     from hybrid_draft.core import hold
+    from hybrid_draft.core.planning import DraftPlan
 
 
 @dataclass
@@ -33,6 +34,9 @@ class Scope:
 
     holds: list[hold.Hold] = field(default_factory=list)
     skipped: list[sharing.Skipped] = field(default_factory=list)
+    #: A draft plan its owner made for an earlier update of the same checkpoint, which an
+    #: update that carries the draft takes its names from again (``direct``).
+    planned: DraftPlan | None = None
 
     def hold_for(self, draft_model_config: ModelConfig) -> hold.Hold | None:
         return next(

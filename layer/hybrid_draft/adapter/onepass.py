@@ -55,13 +55,13 @@ def _off(reason: str, detail: str | None = None) -> Tap:
 
 def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | None) -> Tap:
     """The target's one pass, or why there is none; the hold joins ``scope``."""
-    session = call.reloads_from("weight_update")
+    session = call.trigger is not None and call.trigger.carries  # a session, a direct update
     setting = int(current.hold_budget.value)
     if setting <= 0 and not session:  # a session's pass holds nothing: no budget to spend
         return _off("hold_budget_zero")
     requested = call.request().requested_format
     stream = call.reloads_from("iterator")
-    if session:  # its own part was asked before it began (adapter/sessions.py)
+    if session:  # its own part was asked before it began (adapter/sessions.py, direct.py)
         needed: tuple[str, ...] = ()
     elif stream:  # the reload's weights iterator, whatever the target's format
         needed = ("one_pass",)
@@ -99,14 +99,18 @@ def tap(call: calls.Call, current: settings.Settings, scope: loadscope.Scope | N
     if not draft_decision.switched or not draft_request.reads_target_checkpoint:
         return _off("draft_not_switched", f"the draft's decision: {draft_decision.reason}")
     try:
-        # A session's figures are the trainer's chunks: the plan's header reads are not.
-        with figures.measuring() if session else contextlib.nullcontext():
-            plan = draftplan.for_call(
-                draft_call,
-                draft_call.skips_replaced(bool(current.skip_replaced.value)),
-                objectstore.Access.of(current),
-                parts.part_off("runai_stream"),
-            )
+        # An update's figures are the trainer's calls: the plan's header reads are not. An
+        # update that carries the draft takes only names from its plan: the plan of the same
+        # checkpoint its scope's owner made for an earlier update serves again.
+        plan = scope.planned if session else None
+        if plan is None:
+            with figures.measuring() if session else contextlib.nullcontext():
+                plan = draftplan.for_call(
+                    draft_call,
+                    draft_call.skips_replaced(bool(current.skip_replaced.value)),
+                    objectstore.Access.of(current),
+                    parts.part_off("runai_stream"),
+                )
     except checkpoint.CheckpointError as exc:  # the draft's own decision plans again
         return _off("planning_failed", f"{type(exc).__name__}: {exc}")
     if plan is None or plan.is_unused is None or not plan.kept:

@@ -113,11 +113,12 @@ def reload_off(runner: str) -> tuple[str | None, str]:
     return _said("reload", off), label
 
 
-def weight_update_off() -> tuple[str | None, str]:
-    """Why the ``weight_update`` part is off (None: on), probed now and said off once per
-    process and reason; and the label of the layout a session's draft update takes."""
-    off, label = internals.late_part("weight_update")
-    return _said("weight_update", off), label
+def late_off(part: str) -> tuple[str | None, str]:
+    """Why the late ``part`` is off (None: on), probed now and said off once per process and
+    reason; and the label of the layout it is on by (``weight_update``: a session's draft
+    update; ``direct_update``: a direct update's)."""
+    off, label = internals.late_part(part)
+    return _said(part, off), label
 
 
 def _said(part: str, off: internals.Off | None) -> str | None:

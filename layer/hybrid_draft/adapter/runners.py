@@ -1,8 +1,9 @@
 """vLLM's model runners, hooked as their modules are imported (:func:`on_runner`): each
-runner's ``load_model`` is a load scope (``loadscope``), in which a one-pass hold lives;
-its ``reload_weights``, which vLLM makes reload the target alone, reloads the draft too
-(``adapter.reload``). Imports nothing of the layer's load path until a runner's method is
-called: the hook runs inside vLLM's import.
+runner's ``load_model`` is a load scope (``loadscope``), in which a one-pass hold lives,
+and once it returns a caller's direct ``load_weights`` calls on its target carry the draft
+(``adapter.direct``); its ``reload_weights``, which vLLM makes reload the target alone,
+reloads the draft too (``adapter.reload``). Imports nothing of the layer's load path until
+a runner's method is called: the hook runs inside vLLM's import.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ def wrap_runner(cls: type) -> None:
     @functools.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         with loadscope.scope():
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+        from hybrid_draft.adapter import direct
+
+        direct.install(self)
+        return result
 
     setattr(load_model, _WRAPPED, True)
     cls.load_model = load_model  # type: ignore[attr-defined]
@@ -58,9 +63,11 @@ def wrap_reload(cls: type, runner: str) -> None:
 
     @functools.wraps(original)
     def reload_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from hybrid_draft.adapter import reload
+        from hybrid_draft.adapter import direct, reload
 
-        return reload.run(self, runner, original, signature, args, kwargs)
+        direct.settle(self, "reload")  # a caller's direct update of the target ends first
+        with loadscope.scope():  # vLLM's own loads, whatever the layer makes of the call
+            return reload.run(self, runner, original, signature, args, kwargs)
 
     setattr(reload_weights, _WRAPPED, True)
     cls.reload_weights = reload_weights  # type: ignore[attr-defined]

@@ -10,18 +10,20 @@ session is one more trigger of the one load path (``policy.Reload``, source
 
 1. **start** (after vLLM's own): the target's decision (``load.begin``); where a draft that
    reads the target's checkpoint follows, the target decision's tap is a ``hold.Pass`` of
-   the draft's plan, and the draft's own layers (none of the target's) enter vLLM's
-   layerwise reload (:class:`Stage`);
+   the draft's plan;
 2. **each chunk**: vLLM's call, with the target's ``load_weights`` seen as it takes its
    tensors (counted, and offered to the pass: ``figures.observed``); when it returns, while
    the chunk is still the engine's, the draft's tensors of that call go to the draft's own
-   ``load_weights``. vLLM's layerwise reload processes each draft layer once it is whole
-   (MLA and quantized layers too); its copy into the layer's original storage is held back;
+   ``load_weights``, its own layers (none of the target's) staged in vLLM's layerwise
+   reload at the first of them (``carry.Stage``). vLLM processes each draft layer once it is
+   whole (MLA and quantized layers too); its copy into the layer's original storage is held
+   back;
 3. **finish** (after vLLM's own): the target's ``loaded``, then the draft's load
    (``load.run``): decided at the session's end, it takes what the session passed on only
    if that is every one of its tensors (``drafting.session_check``): then each held-back
    layer is copied into its original storage and vLLM's layerwise reload finishes the draft;
-   otherwise every draft layer gets its original tensors back, as they were.
+   otherwise every draft layer gets its original tensors back, as they were
+   (``carry.Carry``, which a trainer's direct ``load_weights`` calls share).
 
 vLLM's own draft session (``start_draft_weight_update``) is left as vLLM runs it and
 reported. Where the ``weight_update`` part is off (a ``part_skipped`` event says why), or the
@@ -32,18 +34,14 @@ session is still reported).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from hybrid_draft import settings
-from hybrid_draft.adapter import calls, drafting, internals, load, loadscope, parts, sharing
-from hybrid_draft.core import draftread, figures, hold, policy
-
-if TYPE_CHECKING:
-    from vllm.config import LoadConfig
+from hybrid_draft.adapter import calls, carry, internals, load, loadscope, parts
+from hybrid_draft.core import figures, policy
 
 #: The worker's attribute an open session lives in, from its start to its finish.
 ATTR = "_hybrid_draft_session"
@@ -51,109 +49,11 @@ _NONE = object()
 
 
 @dataclass
-class Stage:
-    """The draft's own layers in vLLM's layerwise reload for one session: each processed
-    once its tensors are all in, its copy into the layer's original storage held back to the
-    session's end, then made (:meth:`commit`) or dropped (:meth:`abort`)."""
+class Session(carry.Carry):
+    """One weight-transfer session of one worker, from its start to its finish: the model
+    the engine loads into (``model``) seen in each ``update_weights`` call."""
 
-    draft: Any
-    #: The draft's own modules (none of the target's), each in the reload.
-    own: list[Any]
-    #: The processed layers held back, with what their copy needs (their original tensors).
-    held: dict[Any, Any] = field(default_factory=dict)
-    ended: bool = False
-
-    @classmethod
-    def open(cls, draft: Any, target: Any) -> Stage:
-        """Put the draft's own layers into vLLM's layerwise reload. A module of the
-        target's (one vLLM shared with the draft) is never touched: its weights come with
-        the target's own update."""
-        theirs = sharing.target_modules(draft, target)
-        own = [m for m in draft.modules() if m not in theirs]
-        stage = cls(draft, own)
-        for module in own:
-            if any(m in theirs for m in module.modules()):
-                if any(True for _ in module.parameters(recurse=False)):
-                    stage.abort()
-                    raise RuntimeError(
-                        f"the draft's {type(module).__name__} holds parameters of its own and "
-                        "a module of the target's: its update cannot leave the target's alone"
-                    )
-                continue  # a container of both: its own modules enter one by one
-            internals.initialize_layerwise(module)
-        return stage
-
-    def hold_back(self, layer: Any, info: Any) -> bool:
-        """vLLM's layerwise reload has processed ``layer``: keep its processed tensors, and
-        what the copy into its original storage needs, until the session's end."""
-        if layer not in self.own or self.ended:
-            return False
-        loaded = [(name, None) for name, _ in info.loaded_weights]  # the chunk's tensors let go
-        self.held[layer] = dataclasses.replace(info, loaded_weights=loaded)
-        return True
-
-    def feed(self, weights: list[tuple[str, Any]]) -> None:
-        """The draft's tensors of one ``load_weights`` call of the target, to the draft's own
-        ``load_weights`` (a part of the draft: its MTP completeness check off)."""
-        with internals.mtp_partial_load(), internals.holding_back(self.hold_back):
-            self.draft.load_weights(weights)
-
-    def commit(self, model_config: Any, layout: str) -> None:
-        """Every held-back layer copied into its original storage (CUDA graphs were
-        captured on it), then vLLM's end of the reload for the rest (attention layers)."""
-        self.ended = True
-        for layer, info in self.held.items():
-            internals.restore_kernel_tensors(layer, info)
-        self.held.clear()
-        internals.finalize_layerwise(self.draft, model_config, layout)
-        self._flags()
-
-    def abort(self) -> None:
-        """Every draft layer back on its original tensors, as they were (once)."""
-        if self.ended:
-            return
-        self.ended = True
-        for layer, info in self.held.items():
-            internals.place_kernel_tensors(layer, info)
-        self.held.clear()
-        for module in self.own:
-            info = internals.layerwise_info(module)
-            if info is not None and info.can_load():
-                if info.kernel_tensors is not None:
-                    internals.place_kernel_tensors(module, info)
-                info.reset()
-        self._flags()
-
-    def _flags(self) -> None:
-        """vLLM's layerwise reload turns torchao's own reload off on the module it starts
-        from: each module it started from here gets its setting back."""
-        for module in self.own:
-            if "_original_do_torchao_reload" in vars(module):
-                module._do_torchao_reload = vars(module).pop("_original_do_torchao_reload")
-
-
-@dataclass
-class Session:
-    """One weight-transfer session of one worker, from its start to its finish."""
-
-    trigger: policy.Reload
-    scope: loadscope.Scope
-    #: The session's model's load (the target's, or the draft's in vLLM's draft session).
-    active: load.Active
-    #: The model the engine loads into, and whether the session only reports (the
-    #: ``reload`` setting off: vLLM's calls run exactly as they are).
-    model: Any
-    report_only: bool
-    layout: str
-    target: Any = None
-    draft: Any = None
-    draft_call: calls.Call | None = None
-    stage: Stage | None = None
-
-    @property
-    def passing(self) -> hold.Pass | None:
-        tap = self.active.load.tap
-        return tap if isinstance(tap, hold.Pass) else None
+    model: Any = None
 
     @contextlib.contextmanager
     def chunk(self) -> Iterator[None]:
@@ -166,8 +66,8 @@ class Session:
             else:
                 with self._seeing():
                     yield
-        self.active.chunks += 1
-        self.active.chunk_seconds += time.perf_counter() - started
+        self.active.calls += 1
+        self.active.call_seconds += time.perf_counter() - started
 
     @contextlib.contextmanager
     def _seeing(self) -> Iterator[None]:
@@ -190,50 +90,6 @@ class Session:
                 vars(model).pop("load_weights", None)
             else:
                 model.load_weights = own
-
-    def feed(self) -> None:
-        """The draft's tensors of the call that just returned, into the draft (once a
-        chunk has failed to load into it, no more: the draft is left as it was)."""
-        passing, stage = self.passing, self.stage
-        if passing is None:
-            return
-        weights = passing.drain()
-        if not weights or stage is None or passing.failure is not None:
-            return
-        started = time.perf_counter()
-        try:
-            stage.feed(weights)
-        except Exception as exc:  # the draft's load fails at the session's end, saying this
-            passing.failure = exc
-        finally:
-            passing.chunks += 1
-            passing.seconds += time.perf_counter() - started
-
-    def update_draft(self) -> None:
-        """The draft's load at the session's end: decided, then made or dropped."""
-        call = self.draft_call
-        assert call is not None
-        committed: list[bool] = []
-
-        def commit(_config: LoadConfig | None) -> None:
-            passing, stage = self.passing, self.stage
-            if passing is not None and passing.failure is not None:
-                raise passing.failure
-            assert stage is not None and passing is not None
-            read, stats = draftread.current(), figures.current()
-            if read is not None:
-                read.skip(sharing.targets(self.draft, self.target))
-                read.sources["stream"] = drafting.passed_sources(passing)["stream"]
-            if stats is not None:  # the tensors the draft took, as a load yields them
-                stats.tensors = len(passing.received)
-            stage.commit(call.model_config, self.layout)
-            committed.append(True)
-
-        try:
-            load.run(lambda: call, commit, self.trigger)
-        finally:
-            if not committed and self.stage is not None:
-                self.stage.abort()
 
 
 def _engine_model(worker: Any) -> Any:
@@ -281,31 +137,25 @@ def _open(worker: Any, is_draft: bool, layout: str) -> Session | None:
     if active is None:
         return None
     snapshot = active.load.snapshot
-    session = Session(
+    return Session(
         trigger=trigger,
         scope=scope,
         active=active,
-        model=model,
         report_only=snapshot is not None and str(snapshot.reload.value) == "off",
+        part="weight_update",
         layout=layout,
         target=worker.get_model(),
         draft=draft,
         draft_call=None if is_draft else draft_call,
+        model=model,
     )
-    passing = session.passing
-    if passing is not None and draft is not None:
-        try:
-            session.stage = Stage.open(draft, session.target)
-        except Exception as exc:  # the draft's load at the end fails, saying this
-            passing.failure = exc
-    return session
 
 
 def start(worker: Any, original: Callable[[], Any], is_draft: bool) -> Any:
     """vLLM's ``start_weight_update`` (or ``start_draft_weight_update``), then the session."""
     if load.unready() is not None:
         return original()
-    off, layout = parts.weight_update_off()
+    off, layout = parts.late_off("weight_update")
     if off is not None:
         return original()
     load.read_settings()  # an invalid setting stops the update before vLLM's session begins
@@ -358,12 +208,6 @@ def _close(worker: Any, session: Session, exc: BaseException | None) -> None:
         delattr(worker, ATTR)
     try:
         with _configured(worker), loadscope.use(session.scope):
-            load.end(session.active, exc)
-            if exc is None and session.draft_call is not None:
-                session.update_draft()  # decided: with the setting off, it keeps its weights
+            session.end(exc)
     except Exception as fault:  # never over vLLM's own outcome
         load.layer_error("the weight update's end", fault, session.active.load.sink)
-    finally:
-        if session.stage is not None:
-            session.stage.abort()
-        session.scope.close()

@@ -11,7 +11,7 @@ the one-pass tap).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from typing import Any
 
@@ -27,8 +27,8 @@ _MARK = "__hybrid_draft_stats__"
 
 def _counting(get_all_weights: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(get_all_weights)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Generator[Any, None, None]:
-        yield from observed(get_all_weights(self, *args, **kwargs))
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        return observed(get_all_weights(self, *args, **kwargs))
 
     return wrapper
 

@@ -41,10 +41,13 @@ def _through(original: Any, step: str, extra: tuple[Any, ...]) -> Any:
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from hybrid_draft.adapter import sessions
+        from hybrid_draft.adapter import direct, loadscope, sessions
 
+        if step == "start":  # a caller's direct update of the target ends first
+            direct.settle(getattr(self, "model_runner", None), "weight_update")
         run = getattr(sessions, step)
-        return run(self, lambda: original(self, *args, **kwargs), *extra)
+        with loadscope.scope():  # vLLM's own loads, whatever the layer makes of the call
+            return run(self, lambda: original(self, *args, **kwargs), *extra)
 
     setattr(method, _WRAPPED, True)
     return method

@@ -153,19 +153,42 @@ def retried(count: int) -> None:
 Observer = Callable[[str, Any], None]
 
 
-def observed(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """``weights`` as the model takes them: each counted as a tensor yielded in the current
-    load and shown to its observer (the one-pass tap), if any."""
-    stats = _CURRENT.get()
-    if stats is not None and stats.tensors is None:
-        stats.tensors = 0
-    observe = stats.observe if stats is not None else None
-    for item in weights:
-        if stats is not None:
-            stats.tensors = (stats.tensors or 0) + 1
-        if observe is not None:
-            observe(*item)
-        yield item
+class Observed:
+    """``weights`` as the model takes them (:func:`observed`): each counted as a tensor
+    yielded in the load current when the iteration starts, and shown to its observer (the
+    one-pass tap), if any."""
+
+    __slots__ = ("_items", "_observe", "_started", "_stats")
+
+    def __init__(self, weights: Iterable[tuple[str, Any]]) -> None:
+        self._items = iter(weights)
+        self._stats: LoadStats | None = None
+        self._observe: Observer | None = None
+        self._started = False
+
+    def __iter__(self) -> Observed:
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        if not self._started:
+            self._started = True
+            stats = self._stats = _CURRENT.get()
+            if stats is not None:
+                stats.tensors = stats.tensors or 0
+                self._observe = stats.observe
+        item = next(self._items)
+        if self._stats is not None:
+            self._stats.tensors = (self._stats.tensors or 0) + 1
+        if self._observe is not None:
+            self._observe(*item)
+        return item
+
+
+def observed(weights: Iterable[tuple[str, Any]]) -> Observed:
+    """``weights`` as the model takes them (:class:`Observed`); weights already observed
+    (a loader's stream the load instruments, handed to a model's wrapped ``load_weights``)
+    are counted and shown once."""
+    return weights if isinstance(weights, Observed) else Observed(weights)
 
 
 def received(files: list[str], weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -216,6 +216,13 @@ class Pass(Hold):
     #: Every tensor the target's ``load_weights`` was given in the session (0: the engine
     #: wrote the target's parameters without it).
     offered: int = 0
+    #: The calls a caller made on the draft's own ``load_weights`` in the update (a direct
+    #: update's caller that feeds the draft itself): their tensors pass on here too.
+    fed: int = 0
+    #: Of ``received``, the tensors read from storage by the draft's plan where the update's
+    #: stream lacked them (a model loader that left the draft's shards out), and their bytes.
+    read_tensors: int = 0
+    read_bytes: int = 0
 
     @classmethod
     def passing(
@@ -241,11 +248,17 @@ class Pass(Hold):
         """Called for every tensor the target's ``load_weights`` is given: pass the draft's
         on (the first time each comes by)."""
         self.offered += 1
+        self.give(name, tensor)
+
+    def give(self, name: str, tensor: Any) -> bool:
+        """Pass ``tensor`` on if it is one of the draft's and has not come by yet (a caller's
+        call on the draft itself gives its tensors here); whether it was."""
         if name not in self.wanted or name in self.received or self.released:
-            return
+            return False
         self.pending.append((name, tensor))
         self.received.add(name)
         self.received_bytes += nbytes(tensor)
+        return True
 
     def drain(self) -> list[tuple[str, Any]]:
         """The draft's tensors of the call that just returned, no longer referenced here."""

@@ -39,6 +39,10 @@ target's checkpoint the draft's own tensors as they pass (``weight_update``); vL
 session (``start_draft_weight_update``) loads the draft itself and is left to vLLM
 (``draft_session``); a session whose engine patches the target's parameters in place brings
 nothing in checkpoint format (``kernel_format``).
+
+A trainer's direct ``load_weights`` calls on the served target (``source`` ``direct``: verl,
+OpenRLHF, AReaL, skyrl-train, TRL, NeMo RL) are one more such update: the draft takes its own
+tensors as the calls pass them (``direct_update``).
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ WEIGHTS_ITERATOR = "weights_iterator"
 #: The ``chosen_format`` of a draft that takes its tensors from its target's weight-transfer
 #: session as they pass.
 WEIGHT_TRANSFER = "weight_transfer"
+#: The ``chosen_format`` of a draft that takes its tensors from a trainer's direct
+#: ``load_weights`` calls on its target as they pass.
+DIRECT_LOAD = "direct_load"
 
 #: The draft's load format each mode aims for (what the compose smoke test expects).
 DRAFT_FORMAT_BY_MODE = {
@@ -116,6 +123,7 @@ REASONS = (
     "no_tensor_filter",
     "reload_stream",
     "weight_update",
+    "direct_update",
     "draft_session",
     *NOT_RELOADED,
 )
@@ -133,7 +141,10 @@ class Checkpoint:
     aliases: tuple[str, ...] = ()
 
 
-ReloadSource = Literal["checkpoint", "weights_path", "iterator", "weight_update"]
+ReloadSource = Literal["checkpoint", "weights_path", "iterator", "weight_update", "direct"]
+#: The triggers whose target update hands the draft its tensors as they pass (nothing held):
+#: a weight-transfer session, a trainer's direct ``load_weights`` calls.
+CARRIED = ("weight_update", "direct")
 #: The model a weight-transfer session loads into: the target (``start_weight_update``) or
 #: the draft (vLLM's own ``start_draft_weight_update``).
 SessionKind = Literal["target", "draft"]
@@ -143,18 +154,30 @@ SessionKind = Literal["target", "draft"]
 class Reload:
     """A reload in place of weights already loaded: where the target's new weights come
     from (vLLM's ``reload_weights`` from its checkpoint again, a new ``weights_path`` or a
-    weights iterator; or a trainer's weight-transfer session, ``weight_update``), and whether
-    they are in checkpoint format. A session names its backend and its kind."""
+    weights iterator; a trainer's weight-transfer session, ``weight_update``; or a trainer's
+    direct ``load_weights`` calls, ``direct``), and whether they are in checkpoint format. A
+    session names its backend and its kind; a direct update the checkpoint a model loader
+    read it from (``weights_path``, AReaL's sync from disk) and, once it is over, what ended
+    it (``ended_by``)."""
 
     source: ReloadSource
     checkpoint_format: bool = True
     backend: str | None = None
     session: SessionKind | None = None
+    weights_path: str | None = None
+    ended_by: str | None = None
 
     @property
     def kind(self) -> str:
-        """The events' ``trigger``: ``reload`` or ``weight_update``."""
-        return "weight_update" if self.source == "weight_update" else "reload"
+        """The events' ``trigger``: ``reload``, ``weight_update`` or ``direct_update``."""
+        return {"weight_update": "weight_update", "direct": "direct_update"}.get(
+            self.source, "reload"
+        )
+
+    @property
+    def carries(self) -> bool:
+        """Whether the target's update hands the draft its tensors as they pass."""
+        return self.source in CARRIED
 
 
 @dataclass(frozen=True)
@@ -272,6 +295,7 @@ def decide(
                 "weights_path": "a new checkpoint",
                 "iterator": "a weights stream",
                 "weight_update": "a weight-transfer session",
+                "direct": "direct load_weights calls",
             }[trigger.source]
             return kept(
                 "own_checkpoint_kept",
@@ -282,6 +306,8 @@ def decide(
             return switched("reload_stream", WEIGHTS_ITERATOR)
         if trigger.source == "weight_update":
             return switched("weight_update", WEIGHT_TRANSFER)
+        if trigger.source == "direct":
+            return switched("direct_update", DIRECT_LOAD)
     if requested not in formats or requested not in TARGET_FORMATS:
         explicit = request.explicit_draft_format
         if explicit == requested:

@@ -13,7 +13,9 @@ compared with its own target's reload; a reload's draft decision that reloaded n
 draft kept its weights) is listed with its reason. So is a trainer's weight-transfer session
 (``trigger: "weight_update"``): each session's model, with the chunks it took, and the draft
 that took its tensors from its target's session (nothing read, nothing sent twice), or kept
-its weights, saying why.
+its weights, saying why; and a trainer's direct ``load_weights`` calls on the target
+(``trigger: "direct_update"``): each update's target with its calls and what ended it, and
+the draft's share of those calls.
 ``smoke`` prints the same summary. A field of the wrong type (a list ``pid``, a string
 ``seconds``, a byte count that is not a number) reads as unknown (``?``, or null in
 ``--json``) rather than failing; the file is read as a stream, a regular file of at most
@@ -49,6 +51,9 @@ NUMBERS = (
     "checkpoint_bytes",
     "chunks",
     "chunk_seconds",
+    "calls",
+    "call_seconds",
+    "draft_calls",
 )
 
 LOAD_KEYS = (
@@ -60,11 +65,16 @@ LOAD_KEYS = (
     "reload_source",
     "backend",
     "session",
+    "weights_path",
+    "ended_by",
     *NUMBERS,
     *OBJECTS,
 )
-#: The triggers of a load of weights already loaded: a reload in place, a session.
-RELOADS = ("reload", "weight_update")
+#: The triggers of a load of weights already loaded: a reload in place, a session, a
+#: trainer's direct calls.
+RELOADS = ("reload", "weight_update", "direct_update")
+#: Those whose draft takes its tensors as its target's update passes them (nothing read).
+CARRIED = ("weight_update", "direct_update")
 
 
 #: Where a draft's tensors came from (``sources`` of its ``loaded`` event), in words.
@@ -307,7 +317,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for row in proc["loads"]:
             if row["role"] == "target":
                 target = row
-            elif row["role"] == "draft" and row.get("trigger") != "weight_update":
+            elif row["role"] == "draft" and row.get("trigger") not in CARRIED:
                 row["vs_full_pass"] = _savings(row, target)
     return {
         "processes": list(processes.values()),
@@ -378,6 +388,8 @@ def render(summary: dict[str, Any]) -> str:
                 role += f" (reload: {row.get('reload_source') or '?'})"
             elif row.get("trigger") == "weight_update":
                 role += f" (weight update: {_session(row)})"
+            elif row.get("trigger") == "direct_update":
+                role += f" (direct update: ended by {row.get('ended_by') or '?'})"
             if row.get("tensor_filter"):
                 fmt += " (filtered)"
             shards = (
@@ -431,23 +443,15 @@ def render(summary: dict[str, Any]) -> str:
                 )
             lines.append(text)
         for row in proc["loads"][:SHOWN]:
-            if row.get("trigger") == "weight_update" and row["role"] == "draft":
-                src = row.get("sources") or {}
-                stream = src.get("stream")
-                took: dict[str, Any] = stream if isinstance(stream, dict) else {}
-                lines.append(
-                    f"  weight update ({_session(row)}): the draft took "
-                    f"{_num(took.get('tensors'))} tensors ({_bytes(took.get('bytes'))}) from "
-                    f"{_num(row.get('chunks'))} chunk(s) of its target's session, nothing sent "
-                    f"or read twice: {_num(row.get('chunk_seconds'), '{:.2f}')} s in the "
-                    f"chunks, {_num(row['seconds'], '{:.2f}')} s at the session's end"
-                )
+            if row.get("trigger") in CARRIED and row["role"] == "draft":
+                lines.append(_carried(row))
         for row in proc["not_reloaded"][:SHOWN]:
-            what = (
-                f"weight update ({row['backend'] or '?'})"
-                if row.get("trigger") == "weight_update"
-                else f"reload ({row['reload_source'] or '?'})"
-            )
+            if row.get("trigger") == "weight_update":
+                what = f"weight update ({row['backend'] or '?'})"
+            elif row.get("trigger") == "direct_update":
+                what = "direct update"
+            else:
+                what = f"reload ({row['reload_source'] or '?'})"
             lines.append(
                 f"  {what}: the {row['role'] or '?'} kept its "
                 f"weights ({row['reason']}): {files.one_line(str(row['detail']), 2000)}"
@@ -467,6 +471,37 @@ def render(summary: dict[str, Any]) -> str:
         f"{len(summary['processes'])} process(es)"
     )
     return "\n".join(lines)
+
+
+def _carried(row: dict[str, Any]) -> str:
+    """A draft's line for an update of its target that carried its tensors: a session's
+    chunks, or a trainer's direct calls."""
+    src = row.get("sources") or {}
+    stream, stored = src.get("stream"), src.get("storage")
+    took: dict[str, Any] = stream if isinstance(stream, dict) else {}
+    read: dict[str, Any] = stored if isinstance(stored, dict) else {}
+    at_end = f"{_num(row['seconds'], '{:.2f}')} s at the"
+    if row.get("trigger") == "weight_update":
+        return (
+            f"  weight update ({_session(row)}): the draft took "
+            f"{_num(took.get('tensors'))} tensors ({_bytes(took.get('bytes'))}) from "
+            f"{_num(row.get('chunks'))} chunk(s) of its target's session, nothing sent "
+            f"or read twice: {_num(row.get('chunk_seconds'), '{:.2f}')} s in the "
+            f"chunks, {at_end} session's end"
+        )
+    also = (
+        f"; {_num(read.get('tensors'))} more read from {row.get('weights_path') or '?'}"
+        if read.get("tensors")
+        else ""
+    )
+    return (
+        f"  direct update (ended by {row.get('ended_by') or '?'}): the draft took "
+        f"{_num(took.get('tensors'))} tensors from {_num(row.get('calls'))} of its target's "
+        f"direct load_weights call(s) ({_bytes(took.get('bytes'))}, "
+        f"{_num(row.get('draft_calls'))} of the caller's own calls on the draft){also}, "
+        f"nothing loaded twice: {_num(row.get('call_seconds'), '{:.2f}')} s in the calls, "
+        f"{at_end} update's end"
+    )
 
 
 def _session(row: dict[str, Any]) -> str:

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     Source = DefaultModelLoader.Source
 
 
+_NONE = object()
+
+
 class PlannedDraftLoader(DefaultModelLoader):
     """``DefaultModelLoader`` whose primary weights are read by the draft's plan."""
 
@@ -102,6 +105,7 @@ class PlannedDraftLoader(DefaultModelLoader):
             replaceable = sharing.replaceable(model, kinds)
             read.skip(replaceable.values())
         real = model.load_weights
+        own = vars(model).get("load_weights", _NONE)  # an attribute of the instance's own
 
         def load_and_check(weights: Iterable[tuple[str, Any]]) -> Any:
             loaded = real(weights)
@@ -113,7 +117,10 @@ class PlannedDraftLoader(DefaultModelLoader):
         try:
             super().load_weights(model, model_config)
         finally:
-            del model.load_weights
+            if own is _NONE:
+                del model.load_weights
+            else:
+                model.load_weights = own
 
     def _complete(self, model: Any, model_config: ModelConfig, loaded: set[str]) -> bool:
         """vLLM's own "weights were not initialized" check, as a question."""

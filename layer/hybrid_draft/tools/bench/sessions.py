@@ -1,18 +1,27 @@
 """``hybrid-draft bench --weight-update``: what one training step's weight sync sends, and what
-its sessions cost, with the draft updated the two ways a trainer can have it.
+it costs, with the draft updated the ways a trainer can have it.
 
 - ``vllm_draft_session`` (vLLM's own way, the layer's ``reload`` off): a target session with
   the base model, then vLLM's draft session (``start_draft_weight_update``) with what a
   trainer's draft export holds: the MTP block, and the embedding and output head again;
 - ``one_session`` (the layer): one target session with the whole model, MTP block included;
-  the draft takes its tensors as they pass.
+  the draft takes its tensors as they pass;
+- ``direct_per_tensor`` and ``direct_buckets`` (the layer): a trainer's direct
+  ``load_weights`` calls on the target, one tensor per call (OpenRLHF, TRL, AReaL over NCCL),
+  ended by the runner's next step, or buckets (verl, skyrl), ended by the post-load
+  processing verl calls; each beside the same calls made on vLLM's own ``load_weights``
+  (``..._vllm``: the layer bypassed, the draft left stale), so that what the layer adds to
+  the trainer's calls, and the draft's part of the update, are measured apart.
 
 vLLM's offline ``LLM`` runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on a
 generated DeepSeek-V3 checkpoint with dense layers (two steps of it, alternating, so that every
 sync changes every weight), through vLLM's real worker sessions over a backend registered here
 (``hybrid_draft_bench``: vLLM's own IPC engine, its chunks handed over in memory rather than by
 CUDA IPC handles: the trainer's tensors are this process's, on the model's device). Each chunk
-is a bucket of up to 256 MiB of tensors in checkpoint order. A benchmark, not a test: it prints
+is a bucket of up to 256 MiB of tensors in checkpoint order. On the CPU every linear layer
+keeps its weight after loading, as on a GPU (vLLM's plain-linear path of its CPU build, the
+one MLA's ``kv_b_proj`` takes): the CPU build otherwise empties them, and a direct
+``load_weights`` raises there with the layer or without it. A benchmark, not a test: it prints
 a table, writes ``OUT/weight-update.json`` and asserts nothing. It also works out, from
 DeepSeek-V3's own shapes, what each way sends per step in bfloat16.
 """
@@ -32,7 +41,10 @@ BACKEND = "hybrid_draft_bench"
 CHUNK_BYTES = 256 << 20
 #: The embedding and output head vLLM shares between an MTP draft and its target.
 SHARED = ("model.embed_tokens.weight", "lm_head.weight")
-WAYS = ("vllm_draft_session", "one_session")
+SESSION_WAYS = ("vllm_draft_session", "one_session")
+#: The direct ways, each measured with the layer and on vLLM's own ``load_weights``.
+DIRECT_WAYS = ("direct_per_tensor", "direct_buckets")
+WAYS = (*SESSION_WAYS, *(f"{w}{v}" for w in DIRECT_WAYS for v in ("_vllm", "")))
 
 
 def engine_class() -> type:
@@ -169,6 +181,48 @@ def _session(llm: Any, weights: list[tuple[str, Any]], draft: bool = False) -> d
     }
 
 
+def _direct(runner: Any, weights: list[tuple[str, Any]], way: str) -> dict[str, Any]:
+    """One direct sync of ``weights`` by ``way`` (``direct_per_tensor`` or
+    ``direct_buckets``, with ``_vllm``: on vLLM's own ``load_weights``), then its end: the
+    runner's next step (nothing scheduled) or verl's post-load processing."""
+    import functools
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from hybrid_draft.adapter import direct
+
+    model = runner.model
+    vllms = way.endswith("_vllm")
+    load = functools.partial(type(model).load_weights, model) if vllms else model.load_weights
+    per_tensor = way.startswith("direct_per_tensor")
+    calls = [[item] for item in weights] if per_tensor else _chunks(weights)
+    with set_current_vllm_config(runner.vllm_config):
+        began = time.perf_counter()
+        for call in calls:
+            load(weights=call)
+        updated = time.perf_counter()
+        served = vars(runner).get(direct.ATTR)
+        update = served.update if isinstance(served, direct.Served) else None
+        passing = update.passing if update is not None else None
+        if per_tensor:
+            runner.execute_model(SchedulerOutput.make_empty())
+        else:
+            process_weights_after_loading(model, runner.vllm_config.model_config, runner.device)
+        done = time.perf_counter()
+    return {
+        "calls": len(calls),
+        "update_seconds": updated - began,
+        "finish_seconds": done - updated,
+        "seconds": done - began,
+        "draft_call_seconds": passing.seconds if passing is not None else 0.0,
+        # The calls' seconds less the draft's loads inside them: the target's part.
+        "target_seconds": updated - began - (passing.seconds if passing is not None else 0.0),
+        "sent_bytes": sum(t.numel() * t.element_size() for _, t in weights),
+    }
+
+
 def measure(directory: Path, size_gib: float, runs: int) -> dict[str, Any]:
     """Write the two steps' checkpoints, serve the first, then ``runs`` syncs each way."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -188,6 +242,10 @@ def measure(directory: Path, size_gib: float, runs: int) -> dict[str, Any]:
     from vllm import LLM
 
     cuda = torch.cuda.is_available()
+    if not cuda:  # every linear layer keeps its weight, as on a GPU (the module's doc)
+        from vllm.model_executor.layers.linear import LinearBase
+
+        LinearBase._cpu_skip_gemm_dispatch = True  # type: ignore[attr-defined]
     # On the CPU: CPU_MLA, in float32 (AMX_MLA's kernel tensors cannot be reloaded in place).
     cpu: dict[str, Any] = {} if cuda else {"dtype": "float32", "attention_backend": "CPU_MLA"}
     spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": 1}
@@ -202,6 +260,7 @@ def measure(directory: Path, size_gib: float, runs: int) -> dict[str, Any]:
             f"({type(exc).__name__}: {first})"
         ) from None
     llm.init_weight_transfer_engine({"init_info": {}})
+    (runner,) = llm.collective_rpc(lambda worker: worker.model_runner)  # the engine's own
     device = "cuda" if cuda else "cpu"
     mtp = f"model.layers.{layout.config['num_hidden_layers']}."
     exports = []
@@ -227,22 +286,41 @@ def measure(directory: Path, size_gib: float, runs: int) -> dict[str, Any]:
                         draft=True,
                     )
                     rows[way].append(_step([target, draft]))
-                else:
+                elif way == "one_session":
                     os.environ["HYBRID_DRAFT_RELOAD"] = "auto"
                     rows[way].append(_step([_session(llm, export)]))
+                else:
+                    os.environ["HYBRID_DRAFT_RELOAD"] = "auto"
+                    rows[way].append({**_direct(runner, export, way), "sessions": 0})
     finally:
         if previous is None:
             os.environ.pop("HYBRID_DRAFT_RELOAD", None)
         else:
             os.environ["HYBRID_DRAFT_RELOAD"] = previous
+    ways = {way: _median(r) for way, r in rows.items()}
     return {
         "model": {"layers": layout.config["num_hidden_layers"], "bytes": layout.nbytes},
         "device": device,
         "runs": runs,
         "chunk_bytes": CHUNK_BYTES,
-        "ways": {way: _median(r) for way, r in rows.items()},
+        "ways": ways,
+        # What the layer adds to the trainer's calls on the target, the draft's part (its
+        # loads inside the calls, reported apart as draft_call_seconds) left out: the median
+        # calls' seconds with the layer over those on vLLM's own load_weights.
+        "direct_overhead": {
+            way: round(
+                _median_of(rows[way], "target_seconds")
+                / _median_of(rows[f"{way}_vllm"], "update_seconds"),
+                4,
+            )
+            for way in DIRECT_WAYS
+        },
         "deepseek_v3": worked_out(),
     }
+
+
+def _median_of(rows: list[dict[str, Any]], key: str) -> float:
+    return float(statistics.median(r[key] for r in rows))
 
 
 class Unservable(RuntimeError):
@@ -305,7 +383,7 @@ def table(result: dict[str, Any]) -> str:
     rows = [
         [
             way,
-            str(r["sessions"]),
+            str(r["sessions"]) if r["sessions"] else f"{r['calls']} calls",
             size(r["sent_bytes"]),
             f"{r['median_seconds']:.3f}",
             f"{r['finish_seconds']:.3f}",
@@ -321,7 +399,7 @@ def table(result: dict[str, Any]) -> str:
             "-",
             "-",
         ]
-        for way in WAYS
+        for way in SESSION_WAYS
     ]
     return tables.render(columns, rows)
 
@@ -340,5 +418,12 @@ def main(out: Path, size_gib: float, runs: int) -> int:
         f"\nDeepSeek-V3 in bfloat16: one session sends {saved / 1e9:.2f} GB less per step "
         "(the embedding and head a draft session sends again)"
     )
+    for way, ratio in result["direct_overhead"].items():
+        r = result["ways"][way]
+        print(
+            f"{way}: the trainer's calls on the target take {ratio:.3f}x their time on "
+            f"vLLM's own load_weights; the draft's loads inside them "
+            f"{r['draft_call_seconds']:.3f} s, the update's end {r['finish_seconds']:.3f} s"
+        )
     print(f"\nwrote {out / 'weight-update.json'}")
     return 0
