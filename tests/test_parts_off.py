@@ -38,7 +38,8 @@ def test_allowing_something_that_is_not_a_part_is_one_line_and_exit_2(
     assert out.err.splitlines() == [
         f"hybrid-draft doctor: {doctor.ALLOW_ENV}='one_pass, warp_drive': warp_drive is not a "
         "part; accepted: all, or comma-separated names of draft_loaders, one_pass, "
-        "direct_loads, runai_stream, ungrouped_draft, skip_replaced, reload, weight_update"
+        "direct_loads, runai_stream, ungrouped_draft, skip_replaced, reload, weight_update, "
+        "direct_update"
     ]
 
 

@@ -132,6 +132,30 @@ def test_dotted_keys_and_comments(tmp_path: Path) -> None:
         ({"HYBRID_DRAFT_RELOAD": "no"}, "HYBRID_DRAFT_RELOAD", "accepted values: auto, off"),
         *(
             (
+                {"HYBRID_DRAFT_PROGRESS_SECONDS": bad},
+                "HYBRID_DRAFT_PROGRESS_SECONDS",
+                "accepted: a number of seconds from 0 (none) to 86400",
+            )
+            for bad in ("-1", "off", "86401", "nan", "30s")
+        ),
+        *(
+            (
+                {"HYBRID_DRAFT_STALL_SECONDS": bad},
+                "HYBRID_DRAFT_STALL_SECONDS",
+                "accepted: a number of seconds above 0 and at most 86400",
+            )
+            for bad in ("0", "-2", "off", "inf")
+        ),
+        *(
+            (
+                {"HYBRID_DRAFT_LOAD_TIMEOUT": bad},
+                "HYBRID_DRAFT_LOAD_TIMEOUT",
+                "accepted: off or none, or a number of seconds above 0 and at most 86400",
+            )
+            for bad in ("0", "soon", "-5", "1e9")
+        ),
+        *(
+            (
                 {"HYBRID_DRAFT_OBJECT_RETRIES": bad},
                 "HYBRID_DRAFT_OBJECT_RETRIES",
                 "accepted: a whole number from 1 to 20",
@@ -159,11 +183,15 @@ def test_bad_environment_values(
             3,
             "unknown key 'draft.loader'; accepted keys: draft.mode, draft.hold_budget, "
             "draft.skip_replaced, log.level, log.events_file, draft.keep_formats, "
-            "object_storage.timeout, object_storage.retries, draft.reload",
+            "object_storage.timeout, object_storage.retries, draft.reload, "
+            "load.progress_seconds, load.stall_seconds, load.load_timeout",
         ),
         ('[draft]\nreload = "never"\n', 2, "accepted values: auto, off"),
         ("[object_storage]\ntimeout = true\n", 2, "accepted: a number of seconds above 0"),
         ("[object_storage]\nretries = 2.5\n", 2, "accepted: a whole number from 1 to 20"),
+        ("[load]\nload_timeout = true\n", 2, "accepted: off or none, or a number of seconds"),
+        ('[load]\nstall_seconds = "a minute"\n', 2, "accepted: a number of seconds above 0"),
+        ("[load]\nprogress_seconds = -30\n", 2, "from 0 (none) to 86400"),
         ('[draft]\nmode = "auto"\n\n[cache]\nsize = 1\n', 4, "unknown key 'cache'"),
         ('[log]\nevents_file = ""\n', 2, "non-empty path"),
         ('[log]\nlevel = ["info"]\n', 2, "must be a string naming one of debug"),
@@ -209,6 +237,7 @@ def test_shipped_config_documents_every_key_with_its_default() -> None:
         "draft": {"mode": "auto", "hold_budget": "8GiB", "skip_replaced": True, "reload": "auto"},
         "log": {"level": "info"},
         "object_storage": {"timeout": 10, "retries": 5},
+        "load": {"progress_seconds": 30, "stall_seconds": 60},
     }
     assert {name: v.value for name, v in s.values().items()} == {
         spec.name: spec.default for spec in settings.KEYS
@@ -304,3 +333,21 @@ def test_a_long_or_odd_value_is_shown_short_and_on_one_line(tmp_path: Path) -> N
             }
         )
     assert "\n" not in str(info.value) and len(str(info.value)) < 300
+
+
+def test_the_watch_of_a_long_load_by_environment_and_file(tmp_path: Path) -> None:
+    """``[load]``: the values a user writes, each from where it was set; 0 turns progress off,
+    ``off``/``none`` (any case) the bound; none of them changes what a load decides (the
+    fingerprint)."""
+    s = load({"HYBRID_DRAFT_LOAD_TIMEOUT": " OFF "}, "[load]\nprogress_seconds = 0\n", tmp_path)
+    assert (s.progress_seconds.value, s.progress_seconds.source) == (0.0, "file")
+    assert (s.load_timeout.value, s.load_timeout.source) == (None, "env")
+    assert (s.stall_seconds.value, s.stall_seconds.source) == (60.0, "default")
+    s = load(
+        {"HYBRID_DRAFT_STALL_SECONDS": "2.5"},
+        '[load]\nload_timeout = 600\nstall_seconds = 9\nprogress_seconds = "0.5"\n',
+        tmp_path,
+    )
+    assert (s.stall_seconds.value, s.stall_seconds.source) == (2.5, "env")
+    assert (s.load_timeout.value, s.progress_seconds.value) == (600.0, 0.5)
+    assert s.fingerprint() == "43ce3f8a6513"

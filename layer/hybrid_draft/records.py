@@ -226,6 +226,13 @@ class Loaded:
     calls: Opt[int] = ABSENT
     call_seconds: Opt[float] = ABSENT
     draft_calls: Opt[int] = ABSENT
+    #: A load the watcher saw stall: how often, and the longest; and, for a load that ran
+    #: longer than ``progress_seconds``, its slowest stretch between two progress events.
+    stalls: Opt[int] = ABSENT
+    longest_stall_seconds: Opt[float] = ABSENT
+    slowest: Opt[Mapping[str, float]] = ABSENT
+    #: ``load_failed`` only: ``stalled`` for a load the layer stopped (``load_timeout``).
+    reason: Opt[str] = ABSENT
     error_type: Opt[str] = ABSENT
     error: Opt[str] = ABSENT
     failed_read: Opt[FailedRead] = ABSENT

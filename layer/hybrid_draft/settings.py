@@ -55,6 +55,9 @@ ENV_KEEP_FORMATS = "HYBRID_DRAFT_KEEP_FORMATS"
 ENV_OBJECT_TIMEOUT = "HYBRID_DRAFT_OBJECT_TIMEOUT"
 ENV_OBJECT_RETRIES = "HYBRID_DRAFT_OBJECT_RETRIES"
 ENV_RELOAD = "HYBRID_DRAFT_RELOAD"
+ENV_PROGRESS_SECONDS = "HYBRID_DRAFT_PROGRESS_SECONDS"
+ENV_STALL_SECONDS = "HYBRID_DRAFT_STALL_SECONDS"
+ENV_LOAD_TIMEOUT = "HYBRID_DRAFT_LOAD_TIMEOUT"
 #: The target load formats whose drafts the layer can read filtered (``policy.TARGET_FORMATS``,
 #: repeated here: settings sits below the policy); ``keep_formats`` keeps any untouched.
 TARGET_FORMATS = ("instanttensor", "fastsafetensors", "runai_streamer")
@@ -80,6 +83,14 @@ DEFAULT_OBJECT_RETRIES = 5
 #: The accepted ranges of those two.
 OBJECT_TIMEOUT_RANGE = (0.0, 3600.0)
 OBJECT_RETRIES_RANGE = (1, 20)
+#: How a long load is watched ([load]): a progress event every ``progress_seconds`` (0: none),
+#: a stall named after ``stall_seconds`` without a byte, a stalled load failed after
+#: ``load_timeout`` (off by default). Each at most a day.
+DEFAULT_PROGRESS_SECONDS = 30.0
+DEFAULT_STALL_SECONDS = 60.0
+WATCH_RANGE = (0.0, 86400.0)
+#: The words that turn ``load_timeout`` off.
+OFF = ("off", "none")
 _UNITS = {
     "": 1,
     "b": 1,
@@ -140,6 +151,15 @@ class Settings:
     )
     #: Whether a reload of the target's weights reloads the draft too (``auto``, ``off``).
     reload: Value = field(default_factory=lambda: Value("auto", "default", "default"))
+    #: A long load watched: progress every so many seconds (0: none), a stall named after
+    #: so many without a byte, a stalled load failed after so many (None: never).
+    progress_seconds: Value = field(
+        default_factory=lambda: Value(DEFAULT_PROGRESS_SECONDS, "default", "default")
+    )
+    stall_seconds: Value = field(
+        default_factory=lambda: Value(DEFAULT_STALL_SECONDS, "default", "default")
+    )
+    load_timeout: Value = field(default_factory=lambda: Value(None, "default", "default"))
     #: The host whose settings were carried here (``HYBRID_DRAFT_DRIVER_SETTINGS``), if any.
     carried_from: str | None = None
 
@@ -201,8 +221,13 @@ class Key:
     key: str
     env: str
     default: Any
-    kind: Literal["choice", "path", "size", "bool", "formats", "seconds", "count"]
+    kind: Literal[
+        "choice", "path", "size", "bool", "formats", "seconds", "count", "period", "limit"
+    ]
     choices: tuple[str, ...] = ()
+    #: A number of seconds' range, the lower end excluded (``seconds``, ``limit``) or
+    #: included as "none" (``period``: 0 turns it off).
+    bounds: tuple[float, float] = OBJECT_TIMEOUT_RANGE
 
     @property
     def dotted(self) -> str:
@@ -218,7 +243,10 @@ class Key:
             "formats": "accepted: a comma-separated list (a TOML array) of "
             f"{', '.join(self.choices)}; empty for none",
             "seconds": "accepted: a number of seconds above "
-            f"{OBJECT_TIMEOUT_RANGE[0]:g} and at most {OBJECT_TIMEOUT_RANGE[1]:g}",
+            f"{self.bounds[0]:g} and at most {self.bounds[1]:g}",
+            "period": f"accepted: a number of seconds from 0 (none) to {self.bounds[1]:g}",
+            "limit": f"accepted: {' or '.join(OFF)}, or a number of seconds above "
+            f"{self.bounds[0]:g} and at most {self.bounds[1]:g}",
             "count": "accepted: a whole number from "
             f"{OBJECT_RETRIES_RANGE[0]} to {OBJECT_RETRIES_RANGE[1]}",
         }[self.kind]
@@ -245,8 +273,14 @@ class Key:
             if any(n not in self.choices for n in names):
                 raise bad()
             return tuple(sorted(set(names)))
-        if self.kind in ("seconds", "count"):
-            return _number(raw, self.kind == "count", bad)
+        if self.kind == "limit" and (
+            raw is None or (isinstance(raw, str) and raw.strip().lower() in OFF)
+        ):
+            return None
+        if self.kind in ("seconds", "limit", "period"):
+            return _number(raw, False, bad, self.bounds, zero=self.kind == "period")
+        if self.kind == "count":
+            return _number(raw, True, bad)
         if self.kind == "size":
             if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
                 return raw
@@ -296,15 +330,42 @@ KEYS = (
         "count",
     ),
     Key("reload", "draft", "reload", ENV_RELOAD, "auto", "choice", RELOADS),
+    Key(
+        "progress_seconds",
+        "load",
+        "progress_seconds",
+        ENV_PROGRESS_SECONDS,
+        DEFAULT_PROGRESS_SECONDS,
+        "period",
+        bounds=WATCH_RANGE,
+    ),
+    Key(
+        "stall_seconds",
+        "load",
+        "stall_seconds",
+        ENV_STALL_SECONDS,
+        DEFAULT_STALL_SECONDS,
+        "seconds",
+        bounds=WATCH_RANGE,
+    ),
+    Key(
+        "load_timeout", "load", "load_timeout", ENV_LOAD_TIMEOUT, None, "limit", bounds=WATCH_RANGE
+    ),
 )
 _KEYS = {(k.table, k.key): k for k in KEYS}
 _ACCEPTED_KEYS = ", ".join(k.dotted for k in KEYS)
 
 
-def _number(raw: Any, whole: bool, bad: Any) -> float | int:
-    """A ``seconds`` value (a number in :data:`OBJECT_TIMEOUT_RANGE`, the lower end
-    excluded) or a ``count`` (a whole number in :data:`OBJECT_RETRIES_RANGE`), from a
-    variable's text or a TOML number; ``bad()`` (a ConfigError) for anything else."""
+def _number(
+    raw: Any,
+    whole: bool,
+    bad: Any,
+    bounds: tuple[float, float] = OBJECT_TIMEOUT_RANGE,
+    zero: bool = False,
+) -> float | int:
+    """A number of seconds (in ``bounds``, the lower end excluded; with ``zero``, 0 too) or
+    a ``count`` (a whole number in :data:`OBJECT_RETRIES_RANGE`), from a variable's text or
+    a TOML number; ``bad()`` (a ConfigError) for anything else."""
     value: float | int
     if isinstance(raw, bool):
         raise bad()
@@ -323,7 +384,9 @@ def _number(raw: Any, whole: bool, bad: Any) -> float | int:
         if not isinstance(value, int) or not low <= value <= high:
             raise bad()
         return value
-    low_s, high_s = OBJECT_TIMEOUT_RANGE
+    low_s, high_s = bounds
+    if zero and float(value) == 0:
+        return 0.0
     if not (low_s < float(value) <= high_s):  # NaN fails too
         raise bad()
     return float(value)

@@ -39,7 +39,7 @@ from hybrid_draft.adapter import (
     onepass,
     parts,
 )
-from hybrid_draft.core import checkpoint, draftread, figures, hold, objectstore, policy
+from hybrid_draft.core import checkpoint, draftread, figures, hold, objectstore, policy, watch
 from hybrid_draft.events import Sink, emit
 from hybrid_draft.records import ABSENT
 
@@ -217,6 +217,7 @@ class Load:
         exc: BaseException | None,
         failed_read: records.FailedRead | None = None,
         calls: tuple[int, float] | None = None,
+        watched: Mapping[str, Any] | None = None,
     ) -> records.Loaded:
         """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised ``exc``; the
         model of an update that spans calls (a session's chunks, a direct update's calls)
@@ -250,6 +251,10 @@ class Load:
             calls=count if direct else ABSENT,
             call_seconds=seconds if direct else ABSENT,
             draft_calls=fed if direct else ABSENT,
+            stalls=(watched or {}).get("stalls", ABSENT),
+            longest_stall_seconds=(watched or {}).get("longest_stall_seconds", ABSENT),
+            slowest=(watched or {}).get("slowest", ABSENT),
+            reason="stalled" if isinstance(exc, watch.LoadStalled) else ABSENT,
             error_type=type(exc).__name__ if exc is not None else ABSENT,
             error=str(exc) if exc is not None else ABSENT,
             failed_read=failed_read or ABSENT,
@@ -388,6 +393,8 @@ class Active:
     cost: figures.LoadStats
     calls: int = 0
     call_seconds: float = 0.0
+    #: The load as the watcher sees it (None: its settings are invalid).
+    watched: watch.Watched | None = None
 
 
 def begin(resolve: Callable[[], calls.Call], trigger: policy.Reload | None = None) -> Active | None:
@@ -437,7 +444,76 @@ def begin(resolve: Callable[[], calls.Call], trigger: policy.Reload | None = Non
             _emit_decision(load)
     tap = load.tap
     cost.observe = tap.offer if tap is not None else None
-    return Active(load, cost)
+    return Active(load, cost, watched=_watch(load, cost))
+
+
+#: The load formats whose library reads in C++ (InstantTensor, fastsafetensors, the Run:ai
+#: Model Streamer): a stop lands in the loading thread only when the library's call returns.
+_LIBRARY_READS = {
+    policy.RUNAI_STREAMER: "the Run:ai Model Streamer waits in its C++ library "
+    "(runai_response) until its client answers or gives up: the layer's stop lands only then",
+    policy.RUNAI_FILTERED: "the Run:ai Model Streamer waits in its C++ library "
+    "(runai_response) until its client answers or gives up: the layer's stop lands only then",
+    policy.INSTANTTENSOR: "InstantTensor reads in its C++ library: the layer's stop lands "
+    "when its read returns",
+    policy.SELECTIVE: "InstantTensor reads in its C++ library: the layer's stop lands when "
+    "its read returns",
+    policy.UNGROUPED: "InstantTensor reads in its C++ library: the layer's stop lands when "
+    "its read returns",
+    policy.FASTSAFETENSORS: "fastsafetensors reads in its C++ library: the layer's stop "
+    "lands when its read returns",
+    policy.FASTSAFETENSORS_FILTERED: "fastsafetensors reads in its C++ library: the layer's "
+    "stop lands when its read returns",
+}
+
+
+def _watch(load: Load, cost: figures.LoadStats) -> watch.Watched | None:
+    """The load, watched while it runs (``core/watch.py``): a load that spans calls (a
+    session's, a direct update's) only inside them."""
+    current = load.snapshot
+    if current is None:
+        return None
+    trigger = load.trigger
+    read = load.read
+
+    def planned() -> tuple[int | None, int | None]:
+        """The bytes and tensors the load will take, where known now."""
+        sources = load.draft.sources if load.draft is not None else records.ABSENT
+        if read is not None and not isinstance(sources, records.Absent):
+            taken = [sources.get(k, {}) for k in ("storage", "stream")]
+            return sum(s.get("bytes", 0) for s in taken), sum(s.get("tensors", 0) for s in taken)
+        if trigger is not None and trigger.carries:
+            return None, None  # the caller's tensors, whatever they are
+        sizes = [cost.resolved[f] for f in cost.resolved if f not in cost.dropped]
+        tap = load.tap
+        tensors = sum(len(s.tensors) for s in tap.plan.shards) if tap is not None else None
+        return (None if not sizes or None in sizes else sum(s or 0 for s in sizes)), tensors
+
+    if trigger is not None:
+        note: str | None = (
+            "a reload or an update of weights already served is not stopped part way: the "
+            "model would be left part one step's"
+        )
+    else:
+        note = _LIBRARY_READS.get(str(load.load_format))
+    timeout = current.load_timeout.value
+    return watch.start(
+        watch.Watched(
+            role=load.role,
+            model=load.model,
+            load_format=load.load_format,
+            trigger=str(load.occasion["trigger"]),
+            cost=cost,
+            sink=load.sink,
+            progress=float(current.progress_seconds.value),
+            stall=float(current.stall_seconds.value),
+            timeout=float(timeout) if timeout is not None else None,
+            access=objectstore.Access.of(current),
+            planned=planned,
+            stop_note=note,
+            stoppable=note is None,
+        )
+    )
 
 
 def end(active: Active, exc: BaseException | None) -> None:
@@ -447,7 +523,10 @@ def end(active: Active, exc: BaseException | None) -> None:
         _settle(active.load)
     trigger = active.load.trigger
     calls = (active.calls, active.call_seconds) if trigger is not None and trigger.carries else None
-    _finish(active.load, active.cost, exc, calls)
+    watched = active.watched
+    if watched is not None:
+        watch.stop(watched)
+    _finish(active.load, active.cost, exc, calls, watched.figures() if watched else None)
 
 
 def run(
@@ -462,6 +541,8 @@ def run(
         return proceed(None)
     load = active.load
     if load.reloads_nothing:
+        if active.watched is not None:
+            watch.stop(active.watched)
         return None
     try:
         with figures.measuring(active.cost), draftread.reading(load.read):
@@ -509,11 +590,14 @@ def _finish(
     cost: figures.LoadStats,
     exc: BaseException | None,
     calls: tuple[int, float] | None = None,
+    watched: Mapping[str, Any] | None = None,
 ) -> None:
     """``hybrid_draft.loaded``, or ``load_failed`` for a load that raised; a fault here is
     reported as ``hybrid_draft.layer_error``, never raised over the load's own outcome."""
     try:
-        record = load.loaded_record(cost.cost(), exc, _failed_read(load, cost, exc), calls)
+        record = load.loaded_record(
+            cost.cost(), exc, _failed_read(load, cost, exc), calls, watched or {}
+        )
         if exc is None:
             emit("hybrid_draft.loaded", sink=load.sink, **records.render(record))
         else:
@@ -534,8 +618,10 @@ def _failed_read(
 ) -> records.FailedRead | None:
     """For a load that failed in its loader's words (an error of the layer's own names its
     file already), the shard the layer finds refused when it asks again, and why."""
-    if not isinstance(exc, Exception) or isinstance(exc, checkpoint.CheckpointError):
-        return None
+    if not isinstance(exc, Exception) or isinstance(
+        exc, (checkpoint.CheckpointError, watch.LoadStalled)
+    ):
+        return None  # it names its shard already
     opened = [f for f in cost.resolved if f not in cost.dropped]
     return objectstore.failed_read(opened, objectstore.Access.of(load.snapshot))
 

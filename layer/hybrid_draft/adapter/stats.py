@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import suppress
 from typing import Any
 
+from hybrid_draft.core import checkpoint
 from hybrid_draft.core.figures import current, dropped, observed, received, resolved
 
 #: The shard filters of vLLM's ``default_loader`` whose dropped files are never opened.
@@ -38,7 +39,7 @@ def _resolving(prepare_weights: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = prepare_weights(self, *args, **kwargs)
         with suppress(TypeError, IndexError):  # a return shape we don't know: no shard count
-            resolved(result[1])
+            _shards(result[1])
         return result
 
     return wrapper
@@ -49,10 +50,17 @@ def _resolving_list(prepare_weights: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = prepare_weights(self, *args, **kwargs)
         if isinstance(result, list):
-            resolved(result)
+            _shards(result)
         return result
 
     return wrapper
+
+
+def _shards(files: list[str]) -> None:
+    """The shards a load resolved: recorded, and a local one that is not a regular file (a
+    FIFO a read would wait on for ever) refused before vLLM opens it, naming it."""
+    checkpoint.refuse_irregular(files)
+    resolved(files)
 
 
 def _streaming(iterator: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from hybrid_draft import files
+from hybrid_draft.core import figures
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -160,6 +162,26 @@ class Shard:
 class CheckpointError(ValueError):
     """A checkpoint directory or shard that is not a readable safetensors checkpoint; one line
     that names the file (and the tensor) and the rule it breaks."""
+
+
+def refuse_irregular(paths: Iterable[str]) -> None:
+    """Raise :class:`CheckpointError` for the first local shard of ``paths`` that is not a
+    regular file: a FIFO no one writes to would hold a load's read for ever (its ``open``
+    waits in the kernel, where nothing can stop it), a device would be read without end.
+    Objects in object storage are not looked at; a missing file is left to the loader."""
+    for path in paths:
+        if figures.is_object_uri(path):
+            continue
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(
+                f"{files.show_path(path)}: {files.describe(mode)}, not a regular file: a "
+                "shard must be one (a read of a FIFO waits for a writer, of a device "
+                "without end)"
+            )
 
 
 # --- the header, as safetensors parses it ---------------------------------------------------

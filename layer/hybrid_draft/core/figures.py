@@ -55,6 +55,9 @@ class LoadStats:
     resolved: dict[str, int | None] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
     tensors: int | None = None
+    #: The streams of tensors being read now (begun, not yet exhausted): a load can stall
+    #: only while one is (``core/watch.py``).
+    streaming: int = 0
     #: Tensor bytes received from object storage (None: the load read none from there).
     network: int | None = None
     #: Retries of the layer's own requests to object storage (None: it made none).
@@ -175,8 +178,15 @@ class Observed:
             stats = self._stats = _CURRENT.get()
             if stats is not None:
                 stats.tensors = stats.tensors or 0
+                stats.streaming += 1
                 self._observe = stats.observe
-        item = next(self._items)
+        try:
+            item = next(self._items)
+        except StopIteration:
+            if self._stats is not None and self._items is not None:
+                self._stats.streaming -= 1
+            self._items = iter(())  # exhausted: counted once
+            raise
         if self._stats is not None:
             self._stats.tensors = (self._stats.tensors or 0) + 1
         if self._observe is not None:

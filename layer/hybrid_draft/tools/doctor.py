@@ -188,6 +188,24 @@ def check_config() -> Check:
     )
 
 
+def check_watch() -> Check:
+    """How a long or stuck load is watched (``[load]``): said here, where an operator looks
+    first for why a load said nothing, or stopped."""
+    try:
+        current = settings.load()
+    except settings.ConfigError:
+        return True, "watch: the config check says why the settings cannot be read"
+    progress = current.progress_seconds.value
+    timeout = current.load_timeout.value
+    said = f"every {progress:g} s" if progress else "off"
+    bound = f"after {timeout:g} s without a byte" if timeout is not None else "off"
+    return True, (
+        f"watch: progress events {said} ({current.progress_seconds.source}), a stall named "
+        f"after {current.stall_seconds.value:g} s ({current.stall_seconds.source}), a first "
+        f"load stopped {bound} ({current.load_timeout.source})"
+    )
+
+
 def check_rules() -> Check:
     try:
         from hybrid_draft.tools import draftinfo
@@ -201,6 +219,7 @@ def check_rules() -> Check:
 CHECKS: list[Callable[[], Check]] = [
     check_installed,
     check_config,
+    check_watch,
     check_vllm,
     check_instanttensor,
     check_selective,

@@ -39,8 +39,9 @@ LINE_LIMIT = 1 << 20
 #: The most processes, and loads per process, the terminal rendering shows (``--json`` has
 #: them all): a server has a handful; an events file of thousands is read, not printed.
 SHOWN = 200
-#: Fields that hold an object (the draft's ``sources``, the ``one_pass`` figures).
-OBJECTS = ("sources", "one_pass")
+#: Fields that hold an object (the draft's ``sources``, the ``one_pass`` figures, a long
+#: load's slowest stretch).
+OBJECTS = ("sources", "one_pass", "slowest")
 NUMBERS = (
     "seconds",
     "bytes_read",
@@ -54,6 +55,8 @@ NUMBERS = (
     "calls",
     "call_seconds",
     "draft_calls",
+    "stalls",
+    "longest_stall_seconds",
 )
 
 LOAD_KEYS = (
@@ -310,7 +313,12 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             proc["loads"].append(row)
         else:
             proc["failures"].append(
-                {**row, "error_type": _text(e.get("error_type")), "error": _text(e.get("error"))}
+                {
+                    **row,
+                    "error_type": _text(e.get("error_type")),
+                    "error": _text(e.get("error")),
+                    "stopped": e.get("reason") == "stalled",  # by the layer: load_timeout
+                }
             )
     for proc in processes.values():
         target = None  # each draft against the target load before it (a reload's, its own)
@@ -445,6 +453,10 @@ def render(summary: dict[str, Any]) -> str:
         for row in proc["loads"][:SHOWN]:
             if row.get("trigger") in CARRIED and row["role"] == "draft":
                 lines.append(_carried(row))
+        for row in [*proc["loads"][:SHOWN], *proc["failures"][:SHOWN]]:
+            said = _watched(row)
+            if said:
+                lines.append(said)
         for row in proc["not_reloaded"][:SHOWN]:
             if row.get("trigger") == "weight_update":
                 what = f"weight update ({row['backend'] or '?'})"
@@ -471,6 +483,27 @@ def render(summary: dict[str, Any]) -> str:
         f"{len(summary['processes'])} process(es)"
     )
     return "\n".join(lines)
+
+
+def _watched(row: dict[str, Any]) -> str | None:
+    """A load's stalls and its slowest stretch, where the watcher saw them (None: neither)."""
+    parts = []
+    if row.get("stalls"):
+        parts.append(
+            f"{_num(row['stalls'])} stall(s), the longest "
+            f"{_num(row.get('longest_stall_seconds'), '{:.1f}')} s"
+        )
+    slow = row.get("slowest")
+    if isinstance(slow, dict) and _number(slow.get("bytes_per_s")) is not None:
+        parts.append(
+            f"its slowest stretch {_bytes(slow.get('bytes_per_s'))}/s for "
+            f"{_num(slow.get('seconds'), '{:.1f}')} s from "
+            f"{_num(slow.get('at_seconds'), '{:.1f}')} s"
+        )
+    if not parts:
+        return None
+    stopped = " (stopped: load_timeout)" if row.get("stopped") else ""
+    return f"  {row['role'] or '?'} ({row.get('trigger') or 'load'}){stopped}: {'; '.join(parts)}"
 
 
 def _carried(row: dict[str, Any]) -> str:
