@@ -171,9 +171,6 @@ class Carry:
     scope: loadscope.Scope
     #: The updated model's load (the target's, or the draft's in vLLM's draft session).
     active: load.Active
-    #: Whether the update is only reported (the ``reload`` setting off: vLLM's and the
-    #: caller's calls run exactly as they are).
-    report_only: bool
     #: The layer's part this update is carried by, and the layout it is on by.
     part: str
     layout: str
@@ -182,6 +179,13 @@ class Carry:
     #: The draft's load at the end (None: no draft follows this update).
     draft_call: calls.Call | None = None
     stage: Stage | None = None
+
+    @property
+    def report_only(self) -> bool:
+        """Whether the update is only reported (the ``reload`` setting off, as the update's
+        load read it: vLLM's and the caller's calls run exactly as they are)."""
+        snapshot = self.active.load.snapshot
+        return snapshot is not None and str(snapshot.reload.value) == "off"
 
     @property
     def passing(self) -> hold.Pass | None:

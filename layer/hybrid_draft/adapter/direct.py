@@ -274,12 +274,10 @@ def _begin(served: Served) -> Update | None:
     tap = active.load.tap
     if tap is not None and trigger.weights_path is None:  # a sync from disk plans its own
         served.plan = (made_for, tap.plan)
-    snapshot = active.load.snapshot
     update = Update(
         trigger=trigger,
         scope=scope,
         active=active,
-        report_only=snapshot is not None and str(snapshot.reload.value) == "off",
         part="direct_update",
         layout=layout,
         target=served.target,

@@ -136,12 +136,10 @@ def _open(worker: Any, is_draft: bool, layout: str) -> Session | None:
         active = load.begin(lambda: call, trigger)
     if active is None:
         return None
-    snapshot = active.load.snapshot
     return Session(
         trigger=trigger,
         scope=scope,
         active=active,
-        report_only=snapshot is not None and str(snapshot.reload.value) == "off",
         part="weight_update",
         layout=layout,
         target=worker.get_model(),

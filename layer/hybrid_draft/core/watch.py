@@ -308,9 +308,17 @@ class Watched:
 
     def _stalled(self, now: float, quiet: float, read: int | None) -> None:
         self.next_stall = now + self.stall
+        self._say_stalled(
+            "warning",
+            quiet,
+            read,
+            detail=self.stop_note or "stopped at its next tensor where load_timeout is set",
+        )
+
+    def _say_stalled(self, level: str, quiet: float, read: int | None, **more: Any) -> None:
         emit(
             "hybrid_draft.load_stalled",
-            "warning",
+            level,
             sink=self.sink,
             **self._keys(),
             stalled_seconds=round(quiet, 3),
@@ -320,7 +328,7 @@ class Watched:
             **self.where,
             load_timeout=self.timeout,
             stoppable=self.stoppable,
-            detail=self.stop_note or "stopped at its next tensor where load_timeout is set",
+            **more,
         )
 
     def _resumed(self, now: float) -> None:
@@ -351,18 +359,10 @@ class Watched:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(self.thread), ctypes.py_object(stalled)
             )
-        emit(
-            "hybrid_draft.load_stalled",
+        self._say_stalled(
             "error",
-            sink=self.sink,
-            **self._keys(),
-            stalled_seconds=round(quiet, 3),
-            at_seconds=round(self.changed - self.started, 3),
-            tensors=self.cost.tensors or 0,
-            bytes_read=self.done_bytes(read),
-            **self.where,
-            load_timeout=self.timeout,
-            stoppable=self.stoppable,
+            quiet,
+            read,
             action="stopping" if self.trigger == "load" else "not_stopped",
             detail=message
             + (f"; {self.stop_note}" if self.stop_note else "; it stops at its next tensor"),
