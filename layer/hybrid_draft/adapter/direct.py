@@ -76,6 +76,9 @@ class Served:
     #: Whether the layer ran vLLM's processing of the draft's layers in the update it ended
     #: last: the caller's own processing of the draft after it is not run again.
     processed: bool = False
+    #: The layout the ``direct_update`` part is on by, as probed when the runner's load
+    #: ended (vLLM's names do not change once imported: an update does not probe again).
+    layout: str = ""
     #: The draft's plan an earlier update made, with the checkpoint it was made for: the
     #: next update of that checkpoint takes the draft's names from it again (an update's
     #: plan depends on no setting: it always leaves out what vLLM shares with the target).
@@ -121,13 +124,14 @@ def install(runner: Any) -> None:
         draft = get_draft() if callable(get_draft) else None
         if draft is None:
             return  # no draft model (none, or an n-gram proposer): nothing to carry
-        off, _ = parts.late_off("direct_update")
+        off, layout = parts.late_off("direct_update")
         if off is not None:
             return
         vllm_config = runner.vllm_config
         draft_call = _draft_call(vllm_config, None)
         target = runner.get_model()
-        served = Served(runner, target, draft, draft_call.request().reads_target_checkpoint)
+        follows = draft_call.request().reads_target_checkpoint
+        served = Served(runner, target, draft, follows, layout=layout)
         vars(runner)[ATTR] = served
         roles: tuple[tuple[Any, Role], ...] = ((target, "target"), (draft, "draft"))
         for model, role in roles:
@@ -245,9 +249,6 @@ def _begin(served: Served) -> Update | None:
     """A new update, decided (the target's decision emitted), the runner's next step made its
     end; None where the layer cannot carry it (the call then runs as vLLM's own). An invalid
     setting is reported and raised, as for every load."""
-    off, layout = parts.late_off("direct_update")
-    if off is not None:
-        return None
     vllm_config: VllmConfig = served.runner.vllm_config
     trigger = policy.Reload("direct", weights_path=_DISK.get())
     try:
@@ -279,7 +280,7 @@ def _begin(served: Served) -> Update | None:
         scope=scope,
         active=active,
         part="direct_update",
-        layout=layout,
+        layout=served.layout,
         target=served.target,
         draft=served.draft,
         draft_call=draft_call,

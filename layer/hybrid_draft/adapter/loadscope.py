@@ -71,15 +71,22 @@ def current() -> Scope | None:
     return _SCOPE.get()
 
 
-@contextlib.contextmanager
-def use(held: Scope) -> Iterator[Scope]:
+class use:
     """``held`` as the current scope while open, without closing it on the way out: a scope
-    that lives across calls (its owner closes it)."""
-    token = _SCOPE.set(held)
-    try:
-        yield held
-    finally:
-        _SCOPE.reset(token)
+    that lives across calls (its owner closes it; a class, cheaper than a generator, as it is
+    opened once per call of a session or a direct update)."""
+
+    __slots__ = ("_held", "_token")
+
+    def __init__(self, held: Scope) -> None:
+        self._held = held
+
+    def __enter__(self) -> Scope:
+        self._token = _SCOPE.set(self._held)
+        return self._held
+
+    def __exit__(self, *exc: object) -> None:
+        _SCOPE.reset(self._token)
 
 
 @contextlib.contextmanager

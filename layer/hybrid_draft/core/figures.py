@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,16 +110,22 @@ def current() -> LoadStats | None:
     return _CURRENT.get()
 
 
-@contextmanager
-def measuring(stats: LoadStats | None = None) -> Iterator[LoadStats]:
+class measuring:
     """While open, what reads reports goes to ``stats`` (a new load's figures, or those of a
-    load measured over several calls, such as a weight-transfer session's)."""
-    stats = stats if stats is not None else LoadStats()
-    token = _CURRENT.set(stats)
-    try:
-        yield stats
-    finally:
-        _CURRENT.reset(token)
+    load measured over several calls, such as a weight-transfer session's or a trainer's
+    direct update's, opened once per call of it: a class, cheaper than a generator)."""
+
+    __slots__ = ("_stats", "_token")
+
+    def __init__(self, stats: LoadStats | None = None) -> None:
+        self._stats = stats if stats is not None else LoadStats()
+
+    def __enter__(self) -> LoadStats:
+        self._token = _CURRENT.set(self._stats)
+        return self._stats
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.reset(self._token)
 
 
 def resolved(files: Iterable[str], sizes: Mapping[str, int] | None = None) -> None:
