@@ -512,6 +512,7 @@ def _watch(load: Load, cost: figures.LoadStats) -> watch.Watched | None:
             planned=planned,
             stop_note=note,
             stoppable=note is None,
+            spans_calls=trigger is not None and trigger.carries,
         )
     )
 

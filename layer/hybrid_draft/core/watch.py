@@ -161,6 +161,9 @@ class Watched:
     #: for a load that is never stopped (a reload, an update), why not.
     stop_note: str | None = None
     stoppable: bool = True
+    #: A load that spans a caller's calls (a session's, a direct update's): between them it
+    #: does nothing, and says nothing.
+    spans_calls: bool = False
     thread: int = field(default_factory=threading.get_ident)
     started: float = field(default_factory=time.monotonic)
     # What the watcher found.
@@ -213,7 +216,7 @@ class Watched:
             if self.timeout is not None and quiet >= self.timeout and not self.stop_asked:
                 self._stop(now, quiet, read)
         if self.progress and now >= self.next_progress:
-            if fresh or self.cost.streaming > 0 or self.stalled_since is not None:
+            if not self.spans_calls or self.cost.streaming > 0:
                 self._progress(now, read)
             else:  # between a caller's calls: nothing to say
                 self.next_progress = now + self.progress

@@ -273,8 +273,8 @@ def measure(directory: Path, size_gib: float, runs: int) -> dict[str, Any]:
     step = 1  # the server holds step 1: the first sync sends step 2
     previous = os.environ.get("HYBRID_DRAFT_RELOAD")
     try:
-        for _ in range(runs):
-            for way in WAYS:
+        for run in range(runs):
+            for way in _order(run):
                 export = exports[step]
                 step = 1 - step
                 if way == "vllm_draft_session":
@@ -306,7 +306,19 @@ def measure(directory: Path, size_gib: float, runs: int) -> dict[str, Any]:
         "ways": ways,
         # What the layer adds to the trainer's calls on the target, the draft's part (its
         # loads inside the calls, reported apart as draft_call_seconds) left out: the median
-        # calls' seconds with the layer over those on vLLM's own load_weights.
+        # calls' seconds with the layer over those on vLLM's own load_weights, and per call.
+        "direct_added_us_per_call": {
+            way: round(
+                (
+                    _median_of(rows[way], "target_seconds")
+                    - _median_of(rows[f"{way}_vllm"], "update_seconds")
+                )
+                / ways[way]["calls"]
+                * 1e6,
+                1,
+            )
+            for way in DIRECT_WAYS
+        },
         "direct_overhead": {
             way: round(
                 _median_of(rows[way], "target_seconds")
@@ -317,6 +329,16 @@ def measure(directory: Path, size_gib: float, runs: int) -> dict[str, Any]:
         },
         "deepseek_v3": worked_out(),
     }
+
+
+def _order(run: int) -> list[str]:
+    """The ways in the order of ``run``: each direct way beside vLLM's own, first on every
+    other run, so that neither is always the one that follows the other."""
+    ways = list(SESSION_WAYS)
+    for way in DIRECT_WAYS:
+        pair = [f"{way}_vllm", way]
+        ways += pair if run % 2 == 0 else pair[::-1]
+    return ways
 
 
 def _median_of(rows: list[dict[str, Any]], key: str) -> float:
@@ -420,9 +442,10 @@ def main(out: Path, size_gib: float, runs: int) -> int:
     )
     for way, ratio in result["direct_overhead"].items():
         r = result["ways"][way]
+        added = result["direct_added_us_per_call"][way]
         print(
             f"{way}: the trainer's calls on the target take {ratio:.3f}x their time on "
-            f"vLLM's own load_weights; the draft's loads inside them "
+            f"vLLM's own load_weights ({added:+.1f} us a call); the draft's loads inside them "
             f"{r['draft_call_seconds']:.3f} s, the update's end {r['finish_seconds']:.3f} s"
         )
     print(f"\nwrote {out / 'weight-update.json'}")
