@@ -1,14 +1,17 @@
 """A stuck or slow target read from object storage says where it is: a Run:ai Model Streamer
 target in real vLLM on the CPU, against the suite's fault servers on loopback (moto's S3,
-``tests/s3server.py``; fake-gcs-server, ``tests/objectservers.py``) injecting one fault into
-the requests for the shard holding the MTP layer. Nothing stands in for anything.
+``tests/s3server.py``; fake-gcs-server and Azurite, ``tests/objectservers.py``) injecting one
+fault into the requests for the shard holding the MTP layer. Nothing stands in for anything.
 
 The Run:ai Model Streamer serves one object store per process (the first it reads): the S3
 cases run here; the ``gs://`` case, whose load Run:ai's GCS client retries for up to 15
-minutes, runs in a child process of its own, ended once the event it waits for has come."""
+minutes, and the ``az://`` one (Azurite, over HTTPS in a network namespace), whose client
+waits on a stalled answer, each run in a child process of its own, side by side, ended once
+the event they wait for has come."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +27,13 @@ import pytest
 
 from conftest import REPO, Events, engine_config
 from hybrid_draft.core import checkpoint
-from objectservers import GCSServer
+from objectservers import (
+    AzureServer,
+    GCSServer,
+    azure_namespace_unavailable,
+    azure_tls,
+    in_azure_namespace,
+)
 from s3server import Fault, S3Server
 
 pytestmark = pytest.mark.vllm
@@ -34,6 +43,8 @@ BUCKET = "models"
 CHILD_ENV = "HYBRID_DRAFT_TEST_WATCH_GS"
 #: Where the child writes its events (the suite's conftest clears the layer's own variable).
 CHILD_EVENTS_ENV = "HYBRID_DRAFT_TEST_WATCH_EVENTS"
+#: Set in the ``az://`` child: its TLS files (:func:`objectservers.azure_tls`).
+AZURE_TLS_ENV = "HYBRID_DRAFT_TEST_WATCH_AZURE_TLS"
 #: Run:ai's two header reads of each shard come before its tensors' ranges.
 RUNAI_HEADER_GETS = 2
 
@@ -127,73 +138,116 @@ def test_an_s3_store_slow_but_moving_says_its_progress_and_no_stall(
     assert loaded["network_bytes"] > 0 and "stalls" not in loaded
 
 
-# --- gs://, 503 forever: in a child process ------------------------------------------------
+# --- gs:// and az://: each in a child process ------------------------------------------------
+
+#: Each store's stuck shard, as the child arms it, and what its first stall must say.
+STUCK: dict[str, dict[str, Any]] = {
+    "gs": {  # the issue's case: 503 to every read, which Run:ai's GCS client retries
+        "fault": lambda key: Fault.throttle(key, None),
+        "answer": "the object store answered 503",
+        "retries": ("GCS client", "15 minutes"),
+    },
+    "az": {  # headers, then no byte: Run:ai's Azure client cuts no such answer
+        "fault": lambda key: Fault.stall(key, 600, after=RUNAI_HEADER_GETS),
+        "answer": "no answer from the object store within 2 s (HYBRID_DRAFT_OBJECT_TIMEOUT)",
+        "retries": ("Azure client", "cuts no answer"),
+    },
+}
 
 
-def test_a_gs_object_answered_503_forever_is_named_within_90_s(
-    qwen35: Path, tmp_path: Path
-) -> None:
-    """The issue's case: a Run:ai target on ``gs://`` whose MTP shard answers 503 to every
-    read. Run:ai's GCS client retries for up to 15 minutes; within 90 s a warning names the
-    object and the store's answer, and with ``load_timeout`` the load is said to be past
-    its bound and beyond the layer's stop while Run:ai's client retries."""
+def test_a_stuck_object_on_gs_or_azure_is_named_within_90_s(qwen35: Path, tmp_path: Path) -> None:
+    """A Run:ai target whose MTP shard answers 503 to every read (``gs://``, the issue's
+    case) or stalls after its headers (``az://``, over HTTPS in a network namespace of the
+    child's own): neither client gives up within minutes. Each store in a child process of
+    its own (Run:ai serves one store per process), both at once: within 90 s of the load's
+    start a warning names the object and what the store answered the layer, and with
+    ``load_timeout`` the load is said to be past its bound and beyond the layer's stop
+    while the client retries."""
     if os.environ.get(CHILD_ENV):
         pytest.skip("the child itself")
-    events_file = tmp_path / "events.jsonl"
-    with GCSServer() as gcs:
-        prefix = f"watch-{uuid.uuid4().hex[:8]}"
-        uri = gcs.upload_dir(qwen35, BUCKET, prefix)
-        key = f"{prefix}/{_mtp_shard(qwen35).name}"
-        gcs.arm(Fault.throttle(key, None))
-        env = {
-            **gcs.client_env(),
-            CHILD_ENV: uri,
-            CHILD_EVENTS_ENV: str(events_file),
-            "HYBRID_DRAFT_STALL_SECONDS": "5",
-            "HYBRID_DRAFT_LOAD_TIMEOUT": "15",
-            "HYBRID_DRAFT_OBJECT_TIMEOUT": "2",
-            "VLLM_ASSETS_CACHE": str(tmp_path / "vllm-assets"),
-        }
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        log = (tmp_path / "child.log").open("w")
-        child = subprocess.Popen(
-            [*argv, "-k", "child_loads_the_gs_target"],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    stores = ["gs"]
+    why = azure_namespace_unavailable()
+    if why is None:
+        stores.append("az")
+    children: dict[str, tuple[subprocess.Popen[bytes], Path, Path, str]] = {}
+    found: dict[str, list[dict[str, Any]]] = {}
+    started = time.monotonic()
+    try:
+        for store in stores:
+            children[store] = _start_child(store, tmp_path / store, _mtp_shard(qwen35).name)
+        running = set(children)
+        while running and time.monotonic() - started < 240:
+            for store in sorted(running):
+                child, events_file, _, _ = children[store]
+                found[store] = _said(events_file)
+                if any(e.get("action") for e in found[store]) or child.poll() is not None:
+                    _end(child)
+                    running.discard(store)
+            time.sleep(1)
+    finally:
+        for child, *_ in children.values():
+            _end(child)
+    for store, (_, events_file, log, key) in children.items():
+        tail = log.read_text()[-3000:]
+        said = found.get(store, [])
+        assert said, f"{store}: no load_stalled in {time.monotonic() - started:.0f} s: {tail}"
+        first, expected = said[0], STUCK[store]
+        assert (first["role"], first["store"], first["waiting_on"]) == (
+            "target",
+            store,
+            f"{store}://{BUCKET}/{key}",
         )
-        started = time.monotonic()
-        found: list[dict[str, Any]] = []
-        try:
-            while time.monotonic() - started < 240 and child.poll() is None:
-                found = _stalled(events_file)
-                if any(e.get("action") for e in found):
-                    break
-                time.sleep(1)
-        finally:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            log.close()
-    tail = (tmp_path / "child.log").read_text()[-3000:]
-    assert found, f"no load_stalled in {time.monotonic() - started:.0f} s: {tail}"
-    first = found[0]
-    assert (first["role"], first["store"], first["waiting_on"]) == (
-        "target",
-        "gs",
-        f"gs://{BUCKET}/{key}",
-    )
-    assert first["answer"].startswith("the object store answered 503")
-    assert "GCS client" in first["retries"] and "15 minutes" in first["retries"]
-    # The issue's bound: named within 90 s of the load's start (its stall is 5 s here).
-    assert first["at_seconds"] + first["stalled_seconds"] < 90
-    (bound,) = [e for e in found if e.get("action")]
-    assert (bound["action"], bound["stoppable"]) == ("stopping", False)
-    assert "runai_response" in bound["detail"]
+        assert first["answer"].startswith(expected["answer"]), first
+        assert all(words in first["retries"] for words in expected["retries"]), first
+        # The issue's bound: named within 90 s of the load's start (its stall is 5 s here).
+        assert first["at_seconds"] + first["stalled_seconds"] < 90
+        (bound,) = [e for e in said if e.get("action")]
+        assert (bound["action"], bound["stoppable"]) == ("stopping", False)
+        assert "runai_response" in bound["detail"]
+        # The layer's own asking (its reads of the store's answer) is not the load moving.
+        assert _said(events_file, "hybrid_draft.load_resumed") == []
+    if why is not None:
+        pytest.skip(f"gs:// passed; az:// not run: {why}")
 
 
-def _stalled(path: Path) -> list[dict[str, Any]]:
+def _start_child(
+    store: str, folder: Path, shard: str
+) -> tuple[subprocess.Popen[bytes], Path, Path, str]:
+    """The child pytest that loads ``store``'s stuck target: (process, events, log, key)."""
+    folder.mkdir()
+    prefix = f"watch-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        CHILD_ENV: f"{store}:{prefix}",
+        CHILD_EVENTS_ENV: str(folder / "events.jsonl"),
+        "HYBRID_DRAFT_STALL_SECONDS": "5",
+        "HYBRID_DRAFT_LOAD_TIMEOUT": "15",
+        "HYBRID_DRAFT_OBJECT_TIMEOUT": "2",
+        "VLLM_ASSETS_CACHE": str(folder / "vllm-assets"),
+    }
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    argv += ["-k", "child_loads_a_stuck_target"]
+    if store == "az":
+        tls = azure_tls(folder / "tls")
+        env[AZURE_TLS_ENV] = str(tls)
+        argv = in_azure_namespace(argv, tls)
+    log = folder / "child.log"
+    with log.open("w") as out:
+        child = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return child, folder / "events.jsonl", log, f"{prefix}/{shard}"
+
+
+def _end(child: subprocess.Popen[bytes]) -> None:
+    """The child and whatever it started (its store's server), gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+
+
+def _said(path: Path, name: str = "hybrid_draft.load_stalled") -> list[dict[str, Any]]:
+    """The events named ``name`` in a child's events file, so far."""
     if not path.exists():
         return []
     out = []
@@ -202,17 +256,27 @@ def _stalled(path: Path) -> list[dict[str, Any]]:
             event = json.loads(line)
         except ValueError:
             continue  # a line being written
-        if event.get("event") == "hybrid_draft.load_stalled":
+        if event.get("event") == name:
             out.append(event)
     return out
 
 
-def test_child_loads_the_gs_target(
+def test_child_loads_a_stuck_target(
     qwen35: Path, vllm_runtime: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """(The child process of the test above: loads the ``gs://`` target, and waits.)"""
-    uri = os.environ.get(CHILD_ENV)
-    if not uri:
-        pytest.skip("run by test_a_gs_object_answered_503_forever_is_named_within_90_s")
-    monkeypatch.setenv("HYBRID_DRAFT_EVENTS_FILE", os.environ[CHILD_EVENTS_ENV])
-    _target(engine_config(uri, load_format="runai_streamer", config_dir=qwen35))
+    """(A child process of the test above: its store's server, the fault armed, the target
+    loaded, and a wait.)"""
+    chosen = os.environ.get(CHILD_ENV)
+    if not chosen:
+        pytest.skip("run by test_a_stuck_object_on_gs_or_azure_is_named_within_90_s")
+    store, prefix = chosen.split(":", 1)
+    server: GCSServer | AzureServer = (
+        GCSServer() if store == "gs" else AzureServer(tls=Path(os.environ[AZURE_TLS_ENV]))
+    )
+    with server:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        uri = server.upload_dir(qwen35, BUCKET, prefix)
+        server.arm(STUCK[store]["fault"](f"{prefix}/{_mtp_shard(qwen35).name}"))
+        monkeypatch.setenv("HYBRID_DRAFT_EVENTS_FILE", os.environ[CHILD_EVENTS_ENV])
+        _target(engine_config(uri, load_format="runai_streamer", config_dir=qwen35))

@@ -175,6 +175,9 @@ class Watched:
     stalls: int = 0
     longest_stall: float = 0.0
     where: dict[str, Any] = field(default_factory=dict)
+    #: The I/O of the layer's own asking (its threads' reads of a store's answer): not the
+    #: load's, so never a sign that it moves.
+    asked_io: int = 0
     stop_asked: bool = False
     next_progress: float = 0.0
     last_progress: tuple[float, int] = (0.0, 0)
@@ -198,7 +201,7 @@ class Watched:
         """One look (``read``: the process's storage bytes read so far; ``moved``: its I/O
         less the watcher's): a stall begun, lasting or over; progress due; the bound
         reached."""
-        signature = (moved, self.cost.network, self.cost.tensors)
+        signature = (moved - self.asked_io, self.cost.network, self.cost.tensors)
         fresh = signature != self.signature
         if fresh or self.cost.streaming <= 0:  # moving, or not reading (nothing to wait on)
             if self.stalled_since is not None:
@@ -209,7 +212,10 @@ class Watched:
             if self.stalled_since is None:
                 self.stalled_since = self.changed
                 self.stalls += 1
+                own = threading.get_native_id()
+                before = activity(own)
                 self.where = self._locate()
+                self.asked_io += activity(own) - before
                 self._stalled(now, quiet, read)
             elif now >= self.next_stall:
                 self._stalled(now, quiet, read)
