@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+#: A program's run, measured on the pinned release (docs/testing.md): once.
+pytestmark = [pytest.mark.vllm, pytest.mark.once]
 
 STRATEGIES = (
     "full_pass",

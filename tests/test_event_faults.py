@@ -18,6 +18,8 @@ import pytest
 
 from hybrid_draft import events
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 WRITERS = 8
 EACH = 400
 BIG = 6000  # every fourth event carries this many bytes: over a pipe's atomic write size

@@ -12,6 +12,8 @@ import pytest
 
 from hybrid_draft import events
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 #: An emitter that sends each event where the settings say, as the layer's own callers do
 #: (events themselves never read the settings).
 EMIT = (

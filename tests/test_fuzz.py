@@ -27,6 +27,8 @@ from hypothesis import strategies as st
 from hybrid_draft import settings as hd_settings
 from hybrid_draft.core import checkpoint
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 THOROUGH = os.environ.get("HYBRID_DRAFT_FUZZ", "") == "thorough"
 
 

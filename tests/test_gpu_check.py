@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.bench
+pytestmark = [pytest.mark.bench, pytest.mark.once]  # no vLLM (docs/testing.md)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,6 +19,8 @@ import pytest
 
 from hybrid_draft.tools import cli, synth
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 
 def test_an_unknown_preset_names_the_accepted_ones(
     capsys: pytest.CaptureFixture[str], tmp_path: Path

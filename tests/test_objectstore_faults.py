@@ -739,6 +739,7 @@ def test_plan_of_an_object_the_store_refuses_is_one_line_and_exit_2(
     )
 
 
+@pytest.mark.once  # the stores' clients; the S3 set above runs on every release
 @pytest.mark.parametrize("other", ["gs", "az"])
 def test_the_fault_set_of_another_store_in_a_process_of_its_own(other: str, tmp_path: Path) -> None:
     """This module's every case against fake-gcs-server (Run:ai's GCS client) or Azurite

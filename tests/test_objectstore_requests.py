@@ -19,6 +19,8 @@ from hybrid_draft.core import checkpoint, figures, objectstore, readers
 from hybrid_draft.core.shardread import ShardChanged
 from s3server import Fault, S3Server
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 BUCKET = "models"
 ACCESS = objectstore.Access(timeout=1.0, retries=2)
 

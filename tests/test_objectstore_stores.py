@@ -22,6 +22,8 @@ from hybrid_draft.core.shardread import ShardChanged
 from objectservers import AzureServer, GCSServer
 from s3server import Fault
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 BUCKET = "models"
 ACCESS = objectstore.Access(timeout=1.0, retries=2)
 

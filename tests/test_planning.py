@@ -10,6 +10,8 @@ import pytest
 from hybrid_draft.core import checkpoint, planning
 from hybrid_draft.tools import modes, synth
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 
 @pytest.mark.parametrize(
     ("name", "kind"),

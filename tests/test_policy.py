@@ -11,6 +11,8 @@ import pytest
 from hybrid_draft.core import policy
 from hybrid_draft.core.policy import Checkpoint, Request
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 
 def draft(
     model: str = "org/m",

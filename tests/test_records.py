@@ -6,7 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from hybrid_draft import records
+
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
 
 CONTRACT = (Path(__file__).parent.parent / "docs" / "contract.md").read_text()
 

@@ -14,6 +14,8 @@ import pytest
 from hybrid_draft import settings
 from hybrid_draft.settings import ConfigError
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 ACCEPTED_MODES = "auto, safetensors, instanttensor, selective"
 
 

@@ -16,6 +16,8 @@ import pytest
 from hybrid_draft.core import checkpoint
 from hybrid_draft.core.checkpoint import CheckpointError
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 
 def shard_bytes(header: bytes | str, data: int = 0, pad: bool = True, tail: bytes = b"") -> bytes:
     raw = header.encode() if isinstance(header, str) else header

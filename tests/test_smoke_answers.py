@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 import pytest
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 MODELS = json.dumps({"object": "list", "data": [{"id": "served", "object": "model"}]})
 COMPLETION = json.dumps({"choices": [{"index": 0, "text": "hello"}]})
 METRICS = (

@@ -31,6 +31,8 @@ import pytest
 import systemsetup
 from systemsetup import HostState, Package
 
+pytestmark = pytest.mark.once  # the same on every vLLM release (docs/testing.md)
+
 REPO = Path(__file__).resolve().parents[1]
 SETUP = REPO / "scripts" / "system-setup"
 SCRIPT = REPO / "tests" / "systemsetup.py"

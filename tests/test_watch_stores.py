@@ -155,6 +155,7 @@ STUCK: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.once  # the stores' clients; the S3 cases above run on every release
 def test_a_stuck_object_on_gs_or_azure_is_named_within_90_s(qwen35: Path, tmp_path: Path) -> None:
     """A Run:ai target whose MTP shard answers 503 to every read (``gs://``, the issue's
     case) or stalls after its headers (``az://``, over HTTPS in a network namespace of the
