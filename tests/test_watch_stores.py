@@ -180,7 +180,7 @@ def test_a_stuck_object_on_gs_or_azure_is_named_within_90_s(qwen35: Path, tmp_pa
         while running and time.monotonic() - started < 240:
             for store in sorted(running):
                 child, events_file, _, _ = children[store]
-                found[store] = _said(events_file)
+                found[store] = _stalled(events_file)
                 if any(e.get("action") for e in found[store]) or child.poll() is not None:
                     _end(child)
                     running.discard(store)
@@ -188,7 +188,7 @@ def test_a_stuck_object_on_gs_or_azure_is_named_within_90_s(qwen35: Path, tmp_pa
     finally:
         for child, *_ in children.values():
             _end(child)
-    for store, (_, events_file, log, key) in children.items():
+    for store, (_, _, log, key) in children.items():
         tail = log.read_text()[-3000:]
         said = found.get(store, [])
         assert said, f"{store}: no load_stalled in {time.monotonic() - started:.0f} s: {tail}"
@@ -202,11 +202,12 @@ def test_a_stuck_object_on_gs_or_azure_is_named_within_90_s(qwen35: Path, tmp_pa
         assert all(words in first["retries"] for words in expected["retries"]), first
         # The issue's bound: named within 90 s of the load's start (its stall is 5 s here).
         assert first["at_seconds"] + first["stalled_seconds"] < 90
+        # Reached at all: the layer's own asking (its threads' reads of the store's answer,
+        # once per stall) is never the load moving, or every stall would end at its asking.
         (bound,) = [e for e in said if e.get("action")]
         assert (bound["action"], bound["stoppable"]) == ("stopping", False)
         assert "runai_response" in bound["detail"]
-        # The layer's own asking (its reads of the store's answer) is not the load moving.
-        assert _said(events_file, "hybrid_draft.load_resumed") == []
+        assert bound["stalled_seconds"] >= 15  # its load_timeout, one stall long
     if why is not None:
         pytest.skip(f"gs:// passed; az:// not run: {why}")
 
@@ -247,8 +248,8 @@ def _end(child: subprocess.Popen[bytes]) -> None:
     child.wait()
 
 
-def _said(path: Path, name: str = "hybrid_draft.load_stalled") -> list[dict[str, Any]]:
-    """The events named ``name`` in a child's events file, so far."""
+def _stalled(path: Path) -> list[dict[str, Any]]:
+    """The ``load_stalled`` events in a child's events file, so far."""
     if not path.exists():
         return []
     out = []
@@ -257,7 +258,7 @@ def _said(path: Path, name: str = "hybrid_draft.load_stalled") -> list[dict[str,
             event = json.loads(line)
         except ValueError:
             continue  # a line being written
-        if event.get("event") == name:
+        if event.get("event") == "hybrid_draft.load_stalled":
             out.append(event)
     return out
 
