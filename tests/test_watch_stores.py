@@ -39,8 +39,8 @@ from s3server import Fault, S3Server
 pytestmark = pytest.mark.vllm
 
 BUCKET = "models"
-#: Set in the child process: the ``gs://`` target it loads, and where its config is.
-CHILD_ENV = "HYBRID_DRAFT_TEST_WATCH_GS"
+#: Set in a child process: ``STORE:PREFIX``, the store it serves and the prefix it loads.
+CHILD_ENV = "HYBRID_DRAFT_TEST_WATCH_STORE"
 #: Where the child writes its events (the suite's conftest clears the layer's own variable).
 CHILD_EVENTS_ENV = "HYBRID_DRAFT_TEST_WATCH_EVENTS"
 #: Set in the ``az://`` child: its TLS files (:func:`objectservers.azure_tls`).
