@@ -105,6 +105,11 @@ venv() {
     target=${1:?usage: cpu-env.sh venv VENV [WHEELHOUSE]}
     dir=${2:-$ROOT/build/cpu-wheelhouse}
     stamp="$target/.cpu-env"
+    # One maker at a time (scripts/test makes it beside pytest, whose end-to-end tests make
+    # it too where it is not done): the second waits, then finds it complete.
+    mkdir -p "$(dirname "$target")"
+    exec 9>"$target.lock"
+    flock 9
     want=$(cat "$dir/.complete" 2>/dev/null || true)
     if [ -n "$want" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         echo "cpu-env: venv $target is complete, reused"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -268,6 +269,7 @@ def test_a_sync_from_disk_of_an_mla_target_raises_vllms_own_check_and_the_draft_
 def test_a_caller_that_feeds_the_draft_itself_splitting_its_mtp_layer_no_longer_raises(
     deepseek: Path,
     step2: Path,
+    booted: Any,
     events: Events,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -287,8 +289,11 @@ def test_a_caller_that_feeds_the_draft_itself_splitting_its_mtp_layer_no_longer_
 
     next_step(runner)
     monkeypatch.delenv("HYBRID_DRAFT_RELOAD")
+    runner = runner_of(deepseek, "v1")  # vLLM's failed call left the first one part fed
+    assert differing(runner.get_draft_model(), state(booted.draft))
     trainers.nemo_rl(runner, parts)
     next_step(runner)
+    assert differing(runner.get_draft_model(), state(booted.draft)) == []
     first, second = direct(events, DECISION, "draft")
     assert (first["reason"], second["reason"]) == ("reload_off", "direct_update")
 
@@ -382,23 +387,38 @@ def test_a_failure_in_the_drafts_load_never_fails_the_callers_call(
     )
 
 
+def _streamed(runner: Any, tensors: dict[str, Any]) -> None:
+    """A checkpoint-engine style caller: one call on the target, a stream of every tensor."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(runner.vllm_config):
+        runner.model.load_weights(weights=(item for item in tensors.items()))
+
+
+@pytest.mark.parametrize("shape", ["per tensor", "a stream"])
 def test_a_caller_that_syncs_twice_with_no_end_between_gets_the_later_step(
+    shape: str,
     deepseek: Path,
     step2: Path,
+    step3: Path,
     booted: Any,
     events: Events,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """OpenRLHF's sync of one step, then of the next, with no step between: a call that
-    brings a draft tensor the update had already is the next sync's (the first update
-    ends there, whole). An update's plan gives it the draft's names only: the next update
-    of the same checkpoint takes them from the last one's, reading no shard header."""
+    """A sync of one step, then of the next, with no step between, one tensor per call
+    (OpenRLHF) or each a stream into one call: a tensor of the draft's brought again ends
+    its step there (taken whole) and begins the next. After the second the draft is the
+    later step's, which it never held before, as a fresh boot of it gives it. An update's
+    plan gives it the draft's names only: the next update of the same checkpoint takes them
+    from the last one's, reading no shard header."""
     from hybrid_draft.core import checkpoint
 
+    later = load_target_and_draft(engine_config(step3, load_format="safetensors"))
     runner = runner_of(deepseek)
-    sent = checkpoint_tensors(step2)
-    trainers.openrlhf(runner, sent)
+    sync = trainers.openrlhf if shape == "per tensor" else _streamed
+    sync(runner, checkpoint_tensors(deepseek))
     next_step(runner)
+    assert differing(runner.get_draft_model(), state(later.draft))  # not the later step yet
     read: list[str] = []
     real = checkpoint.read_shard
 
@@ -408,12 +428,13 @@ def test_a_caller_that_syncs_twice_with_no_end_between_gets_the_later_step(
 
     monkeypatch.setattr(checkpoint, "read_shard", spy)
 
-    trainers.openrlhf(runner, checkpoint_tensors(deepseek))
-    trainers.openrlhf(runner, sent)
+    sync(runner, checkpoint_tensors(step2))
+    sync(runner, checkpoint_tensors(step3))
     next_step(runner)
 
     assert read == []
-    assert differing(runner.get_draft_model(), state(booted.draft)) == []
+    assert differing(runner.get_draft_model(), state(later.draft)) == []
+    assert differing(runner.get_model(), state(later.target)) == []
     ends = [e["ended_by"] for e in direct(events, LOADED, "draft")]
     assert ends == ["next_step", "next_sync", "next_step"]
 
@@ -421,16 +442,30 @@ def test_a_caller_that_syncs_twice_with_no_end_between_gets_the_later_step(
 def test_a_reload_ends_an_open_update_first(
     deepseek: Path,
     step2: Path,
+    booted: Any,
     events: Events,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """OpenRLHF's calls, then vLLM's ``reload_weights`` before any step: the update ends
-    (the draft took the next step), then the reload reloads both from the checkpoint."""
+    (the draft took the next step: as the reload begins, the draft is step 2's, whole), then
+    the reload reloads both from the checkpoint."""
+    from hybrid_draft.adapter import reload
+
     runner = runner_of(deepseek)
     boot = own_state(runner)
+    at_the_reload: list[list[str]] = []
+    real = reload.run
+
+    def run(*args: Any, **kwargs: Any) -> Any:  # a spy: the draft as vLLM's reload begins
+        at_the_reload.append(differing(runner.get_draft_model(), state(booted.draft)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reload, "run", run)
 
     trainers.openrlhf(runner, checkpoint_tensors(step2))
     reload_weights(runner)
 
+    assert at_the_reload == [[]]
     assert own_differing(runner, boot) == []
     (loaded,) = direct(events, LOADED, "draft")
     assert loaded["ended_by"] == "reload"
@@ -592,8 +627,14 @@ def _failing_on(module: Any, name: str, call: int, monkeypatch: pytest.MonkeyPat
         ("initialize_layerwise_reload", 2),
         ("_place_kernel_tensors", 2),
         ("finalize", 1),
+        ("finalize_part_way", 1),
     ],
-    ids=["staging part way", "a copy into the second layer", "vLLM's finalize"],
+    ids=[
+        "staging part way",
+        "a copy into the second layer",
+        "vLLM's finalize",
+        "vLLM's finalize after the attention's processing",
+    ],
 )
 def test_a_failing_step_of_the_staging_leaves_the_draft_as_it_was(
     step: str,
@@ -619,6 +660,19 @@ def test_a_failing_step_of_the_staging_leaves_the_draft_as_it_was(
                 raise RuntimeError("finalize failed")
 
             monkeypatch.setattr(layerwise, name, broken)
+    elif step == "finalize_part_way":  # vLLM's own finalize runs, derives MLA's W_UK_T and
+        # W_UV from the new kv_b_proj in place, then fails
+        from hybrid_draft.adapter import internals
+
+        (attention,) = [m for m in draft.modules() if internals.is_deferred_attention(m)]
+        real = attention.process_weights_after_loading
+
+        def processed_then_failed(*args: Any, **kwargs: Any) -> None:
+            monkeypatch.undo()  # vLLM's own from here on
+            real(*args, **kwargs)
+            raise RuntimeError("finalize failed after the attention's processing")
+
+        monkeypatch.setattr(attention, "process_weights_after_loading", processed_then_failed)
     else:
         _failing_on(layerwise, step, call, monkeypatch)
 
@@ -634,3 +688,141 @@ def test_a_failing_step_of_the_staging_leaves_the_draft_as_it_was(
     )
     (failed,) = [e for e in events.named("hybrid_draft.load_failed") if e["role"] == "draft"]
     assert "failed" in failed["error"]
+
+
+def test_a_dummy_batch_ends_the_update_before_the_drafts_forward(
+    deepseek: Path, step2: Path, booted: Any, events: Events, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle data-parallel rank runs a dummy batch (``execute_dummy_batch``: the runner's
+    ``_dummy_run``, the drafter's own dummy run in it) and no ``execute_model``: the update
+    ends before vLLM's dummy run begins, the draft whole again."""
+    runner = runner_of(deepseek)
+    served = vars(runner)["_hybrid_draft_direct"]
+    seen: list[Any] = []
+    real = type(runner)._dummy_run
+
+    def dummy_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((served.update, differing(runner.get_draft_model(), state(booted.draft))))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(runner), "_dummy_run", dummy_run)
+    trainers.openrlhf(runner, checkpoint_tensors(step2))
+    assert served.update is not None
+
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(runner.vllm_config), contextlib.suppress(Exception):
+        runner._dummy_run(1)  # a load-only runner has no KV cache: vLLM's stops short
+
+    assert seen == [(None, [])]
+    (loaded,) = direct(events, LOADED, "draft")
+    assert loaded["ended_by"] == "dummy_batch"
+
+
+def test_an_invalid_setting_mid_training_never_fails_a_callers_call(
+    deepseek: Path, step2: Path, booted: Any, events: Events, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad value in a new worker's environment (or an edited config file): the caller's
+    calls run as vLLM runs them (the target updated), the setting is reported once, and the
+    draft keeps its weights with a ``load_failed`` naming it. Once the value is mended, the
+    next update carries the draft again."""
+    runner = runner_of(deepseek)
+    before = own_state(runner)
+    monkeypatch.setenv("INSTANTTENSOR_DRAFT_LOADER", "fastest")
+
+    trainers.openrlhf(runner, checkpoint_tensors(step2))
+    next_step(runner)
+
+    assert differing(runner.get_model(), state(booted.target)) == []
+    assert own_differing(runner, before) == []
+    (error,) = events.named("hybrid_draft.config_error")
+    assert error["source"] == "INSTANTTENSOR_DRAFT_LOADER"
+    failed = events.named("hybrid_draft.load_failed")
+    assert [(e["role"], e["error_type"]) for e in failed] == [
+        ("target", "ConfigError"),
+        ("draft", "ConfigError"),
+    ]
+    assert "INSTANTTENSOR_DRAFT_LOADER" in failed[1]["error"]
+
+    monkeypatch.delenv("INSTANTTENSOR_DRAFT_LOADER")
+    trainers.openrlhf(runner, checkpoint_tensors(step2))
+    next_step(runner)
+    assert differing(runner.get_draft_model(), state(booted.draft)) == []
+
+
+@pytest.fixture
+def planless(deepseek: Path, tmp_path: Path) -> Path:
+    """A copy of ``deepseek`` to boot from, whose MTP shard is gone once the runner has
+    loaded: no update can plan the draft from it."""
+    copy = tmp_path / "deepseek"
+    shutil.copytree(deepseek, copy)
+    return copy
+
+
+def _without_its_mtp_shard(model_dir: Path) -> None:
+    from hybrid_draft.core import checkpoint
+
+    (mtp,) = [
+        s.path
+        for s in checkpoint.read_checkpoint(model_dir)
+        if any(t.name.startswith(MTP) for t in s.tensors)
+    ]
+    Path(mtp).unlink()
+
+
+@pytest.mark.parametrize("feed", ["whole", "lacking a tensor", "failing part way"])
+def test_without_a_plan_the_callers_own_feed_of_the_draft_is_taken_whole_or_not_at_all(
+    feed: str,
+    planless: Path,
+    step2: Path,
+    booted: Any,
+    events: Events,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The draft's plan cannot be made (its boot checkpoint's shard is gone): the target's
+    calls carry nothing of it, and a caller that feeds the draft itself (NeMo RL's order) has
+    its calls staged all the same. The draft takes them whole, where vLLM's own check finds
+    every one of its parameters loaded, or keeps its weights whole, saying why; a feed that
+    fails part way leaves nothing of it."""
+    runner = runner_of(planless, "v1")
+    if not has_drafter(runner):
+        pytest.skip("this vLLM's runner has no drafter")
+    _without_its_mtp_shard(planless)
+    draft = runner.get_draft_model()
+    before, objects = own_state(runner), tensors_of(draft)
+    sent = checkpoint_tensors(step2)
+    if feed == "lacking a tensor":
+        del sent[f"{MTP}self_attn.kv_b_proj.weight"]
+    if feed == "failing part way":
+        cls = type(draft)
+        real = cls.load_weights
+
+        def half_then_failed(model: Any, weights: Any) -> Any:
+            items = list(weights)
+            monkeypatch.setattr(cls, "load_weights", real)
+            real(model, items[: len(items) // 2])
+            raise RuntimeError("the draft's load failed part way")
+
+        monkeypatch.setattr(cls, "load_weights", half_then_failed)
+
+    trainers.nemo_rl(runner, trainers.buckets(sent, *cuts(sent)))
+    next_step(runner)
+
+    assert tensors_of(draft) == objects
+    (target,) = direct(events, DECISION, "target")
+    one_pass = target["one_pass"]  # vLLM's own resolution of the shards refuses them
+    assert one_pass["enabled"] is False and "missing" in one_pass["detail"], one_pass
+    (decision,) = direct(events, DECISION, "draft")
+    if feed == "whole":
+        assert differing(draft, state(booted.draft)) == []
+        assert (decision["action"], decision["reason"]) == ("switched", "direct_update")
+        (loaded,) = direct(events, LOADED, "draft")
+        assert loaded["draft_calls"] == 3
+        return
+    assert own_differing(runner, before) == []
+    if feed == "lacking a tensor":
+        assert (decision["action"], decision["reason"]) == ("kept", "incomplete_stream")
+        assert "vLLM's check" in decision["detail"]
+    else:
+        (failed,) = [e for e in events.named("hybrid_draft.load_failed") if e["role"] == "draft"]
+        assert failed["error"] == "the draft's load failed part way"

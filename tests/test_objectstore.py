@@ -200,6 +200,12 @@ def test_in_a_load_scope_the_draft_of_an_s3_target_transfers_nothing(
     # The target's load planned the draft and checked what it held once its stream ended.
     assert (target_load["retried"], draft_load["retried"]) == (0, None)
     assert_qwen35_draft_is_the_checkpoints(qwen35, draft)
+    # Every event names the model as the user gave it, not the folder vLLM copied its
+    # config files into (that folder is where vLLM reads config.json: the config is local).
+    named = [e for e in events.all() if "model" in e]
+    assert named and {e["model"] for e in named} == {s3_qwen35}, named
+    assert {d["target_model"] for d in events.decisions("draft")} == {s3_qwen35}
+    assert str(config.model_config.model) != s3_qwen35
 
 
 @pytest.mark.parametrize("budget", ["8GiB", "0"])

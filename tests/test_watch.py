@@ -7,6 +7,7 @@ filesystem does."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -65,19 +66,24 @@ def pacer(instanttensor_standin: Recorder, monkeypatch: pytest.MonkeyPatch) -> I
     import vllm.model_executor.model_loader.default_loader as default_loader
     import vllm.model_executor.model_loader.weight_utils as weight_utils
 
-    standin = default_loader.instanttensor_weights_iterator
     paced = Pacer()
 
-    def reading(hf_weights_files: list[str], *args: Any, **kwargs: Any) -> Iterator[Any]:
-        for item in standin(hf_weights_files, *args, **kwargs):
-            paced.tensors += 1
-            time.sleep(paced.each)
-            if paced.tensors == paced.hold_at:
-                paced.wait(list(hf_weights_files))
-            yield item
+    def pacing(iterator: Any) -> Any:
+        def reading(hf_weights_files: list[str], *args: Any, **kwargs: Any) -> Iterator[Any]:
+            for item in iterator(hf_weights_files, *args, **kwargs):
+                paced.tensors += 1
+                time.sleep(paced.each)
+                if paced.tensors == paced.hold_at:
+                    paced.wait(list(hf_weights_files))
+                yield item
 
-    monkeypatch.setattr(default_loader, "instanttensor_weights_iterator", reading)
-    monkeypatch.setattr(weight_utils, "instanttensor_weights_iterator", reading)
+        return reading
+
+    # InstantTensor's stand-in, and vLLM's own lazy safetensors iterator (a Python loop).
+    for name in ("instanttensor_weights_iterator", "safetensors_weights_iterator"):
+        reading = pacing(getattr(default_loader, name))
+        monkeypatch.setattr(default_loader, name, reading)
+        monkeypatch.setattr(weight_utils, name, reading)
     yield paced
     paced.release()
 
@@ -87,7 +93,7 @@ def watch_settings(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
         monkeypatch.setenv(f"HYBRID_DRAFT_{name.upper()}", value)
 
 
-def target_of(model_dir: Path) -> Any:
+def target_of(model_dir: Path, load_format: str = "instanttensor") -> Any:
     """The target alone, by vLLM's ``get_model`` (a first load) in a load scope, as a model
     runner loads it (its one pass plans the draft's tensors from the checkpoint's headers)."""
     from vllm.config import set_current_vllm_config
@@ -96,7 +102,7 @@ def target_of(model_dir: Path) -> Any:
 
     from hybrid_draft.adapter import loadscope
 
-    config = engine_config(model_dir)
+    config = engine_config(model_dir, load_format=load_format)
     with set_current_vllm_config(config), loadscope.scope():
         ensure_model_parallel_initialized(1, 1)
         return get_model(vllm_config=config)
@@ -121,6 +127,7 @@ def test_a_long_healthy_load_says_how_far_it_is_how_fast_and_how_long_it_has_lef
 ) -> None:
     watch_settings(monkeypatch, progress_seconds="0.3", stall_seconds="5")
     pacer.each = 0.05
+    pacer.hold_at, pacer.hold = 40, 1.0  # one stretch far slower than the rest
 
     target_of(deepseek)
 
@@ -139,7 +146,17 @@ def test_a_long_healthy_load_says_how_far_it_is_how_fast_and_how_long_it_has_lef
     assert said[-1]["eta_seconds"] < said[0]["eta_seconds"]
     assert events.named(STALLED) == []
     (loaded,) = [e for e in events.named("hybrid_draft.loaded") if e["role"] == "target"]
-    assert loaded["slowest"]["bytes_per_s"] == min(e["bytes_per_s"] for e in every)
+    # The slowest stretch: no byte came from storage in any (the page cache), so the one
+    # that took the fewest tensors a second, the held one; every other took more.
+    slowest = loaded["slowest"]
+    assert slowest["bytes_per_s"] == min(e["bytes_per_s"] for e in every) == 0
+    rates = [
+        (b["tensors"] - a["tensors"]) / (b["seconds"] - a["seconds"])
+        for a, b in itertools.pairwise(every)
+    ]
+    assert slowest["tensors_per_s"] <= min(rates) + 0.5, (slowest, rates)
+    assert slowest["tensors_per_s"] < sorted(rates)[len(rates) // 2] / 2, (slowest, rates)
+    assert slowest["at_seconds"] + slowest["seconds"] >= 40 * pacer.each
     assert "stalls" not in loaded
     assert "  target (load): its slowest stretch " in report(events)
 
@@ -173,9 +190,10 @@ def test_a_stall_is_named_while_it_lasts_and_its_end_said(
 def test_with_load_timeout_a_stalled_first_load_is_stopped_naming_what_it_waited_on(
     deepseek: Path, pacer: Pacer, events: Events, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A read that never ends, in a loader that waits in Python between reads: stopped
-    once it has read nothing for ``load_timeout``, with a ``load_failed`` that says so
-    and names the shard; vLLM's ``get_model`` raises, as for any failed load."""
+    """A read that never ends, in a loader that waits in Python between reads (vLLM's lazy
+    safetensors): stopped once it has read nothing for ``load_timeout``, with a
+    ``load_failed`` that says so and names the shard; vLLM's ``get_model`` raises, as for
+    any failed load."""
     from hybrid_draft.core.watch import LoadStalled
 
     watch_settings(monkeypatch, stall_seconds="0.3", load_timeout="1")
@@ -183,11 +201,15 @@ def test_with_load_timeout_a_stalled_first_load_is_stopped_naming_what_it_waited
     started = time.monotonic()
 
     with pytest.raises(LoadStalled, match=r"read nothing for \d+ s \(load_timeout 1 s\)"):
-        target_of(deepseek)
+        target_of(deepseek, "safetensors")
 
     assert time.monotonic() - started < 30
     (stopping,) = [e for e in events.named(STALLED) if e.get("action")]
-    assert (stopping["action"], stopping["level"]) == ("stopping", "error")
+    assert (stopping["action"], stopping["level"], stopping["stoppable"]) == (
+        "stopping",
+        "error",
+        True,
+    )
     (failed,) = events.named("hybrid_draft.load_failed")
     assert (failed["role"], failed["reason"], failed["error_type"]) == (
         "target",
@@ -197,6 +219,57 @@ def test_with_load_timeout_a_stalled_first_load_is_stopped_naming_what_it_waited
     assert str(deepseek) in failed["error"]
     assert failed["stalls"] == 1
     assert "  target (load) (stopped: load_timeout): 1 stall(s)" in report(events)
+
+
+def test_a_load_that_waits_inside_its_library_is_never_stopped_part_way(
+    deepseek: Path, pacer: Pacer, events: Events, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """InstantTensor reads in its C++ library: a stop would land only once the read had
+    returned, whole, and fail a load that then had its tensor. Past ``load_timeout`` the
+    bound is said (``not_stopped``); the read returns and the load ends ``loaded``."""
+    watch_settings(monkeypatch, stall_seconds="0.3", load_timeout="0.8")
+    pacer.hold_at, pacer.hold = 10, 2.0
+
+    target_of(deepseek)
+
+    (bound,) = [e for e in events.named(STALLED) if e.get("action")]
+    assert (bound["action"], bound["stoppable"]) == ("not_stopped", False)
+    assert "InstantTensor reads in its C++ library" in bound["detail"]
+    assert events.named("hybrid_draft.load_failed") == []
+    (loaded,) = events.named("hybrid_draft.loaded")
+    assert (loaded["role"], loaded["stalls"]) == ("target", 1)
+
+
+def test_a_load_that_moves_again_while_the_watcher_asks_is_never_stopped_afterwards(
+    deepseek: Path, pacer: Pacer, events: Events, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race: the watcher finds the load quiet past its bound, then asks what it waits on
+    (a store's answer takes seconds), and the read returns meanwhile and the load ends
+    ``loaded``. No stop is asked of the load's thread once it no longer waits, and nothing
+    lands after its end (the test's own Python keeps running for a while after it). The
+    same read held for ever is stopped (the test above): the bound is live here."""
+    from hybrid_draft.core import watch
+
+    real = watch._open_shards
+
+    def asking_slowly(paths: set[str]) -> list[str]:
+        found = real(paths)
+        time.sleep(1.5)  # the store answers late; the read returns meanwhile
+        return found
+
+    monkeypatch.setattr(watch, "_open_shards", asking_slowly)
+    watch_settings(monkeypatch, stall_seconds="0.4", load_timeout="0.4")
+    pacer.hold_at, pacer.hold = 10, 0.8
+
+    target_of(deepseek, "safetensors")
+    until = time.monotonic() + 2.5
+    while time.monotonic() < until:  # where a stop queued for this thread would land
+        time.sleep(0.01)
+
+    assert [e.get("action") for e in events.named(STALLED)] == [None]
+    assert events.named("hybrid_draft.load_failed") == []
+    (loaded,) = events.named("hybrid_draft.loaded")
+    assert (loaded["role"], loaded["stalls"]) == ("target", 1)
 
 
 def test_a_reload_past_its_load_timeout_is_said_and_never_stopped_part_way(
@@ -232,10 +305,14 @@ def test_vllms_processing_after_the_stream_is_no_stall(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(base_loader, "process_weights_after_loading", slow)
-    watch_settings(monkeypatch, stall_seconds="0.3", load_timeout="0.6")
+    watch_settings(monkeypatch, stall_seconds="0.3", load_timeout="0.6", progress_seconds="0.2")
 
     target_of(deepseek)
 
+    # The watcher looked all along (its progress events, during the 1.2 s of processing
+    # too, every tensor taken by then): it saw no stall.
+    late = [e for e in events.named(PROGRESS) if e["tensors"] == pacer.tensors]
+    assert len(late) >= 3, events.named(PROGRESS)
     assert events.named(STALLED) == []
     assert [e["role"] for e in events.named("hybrid_draft.loaded")] == ["target"]
 
@@ -266,4 +343,30 @@ def test_a_shard_that_is_a_fifo_fails_at_once_naming_it(
 
     assert time.monotonic() - started < 20
     (failed,) = events.named("hybrid_draft.load_failed")
-    assert shard.name in str(failed.get("failed_read") or failed["error"]), failed
+    # The layer's own refusal, before anything opens it (open would wait in the kernel for
+    # a writer, where no stop lands): its CheckpointError names the shard and what it is.
+    assert failed["error_type"] == "CheckpointError", failed
+    assert shard.name in failed["error"] and "FIFO" in failed["error"], failed
+
+
+@pytest.mark.parametrize("experts", [None, {0}], ids=["every expert", "expert 0 of 4"])
+def test_a_targets_planned_tensors_are_those_its_rank_is_given(
+    glm: Path, vllm_runtime: Any, experts: set[int] | None
+) -> None:
+    """With expert parallelism a rank's target load is given its own experts alone (vLLM's
+    own filter drops the others before they are read): its progress counts against those,
+    or its share would never reach the whole and its time left would be too long."""
+    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+
+    from hybrid_draft.adapter import load
+    from hybrid_draft.core import checkpoint
+
+    shards = checkpoint.read_checkpoint(glm)
+    every = sum(len(s.tensors) for s in shards)
+    if experts is None:
+        assert load.rank_tensors(shards, None) == every
+        return
+    mine = load.rank_tensors(shards, lambda name: should_skip_weight(name, experts))
+    names = [t.name for s in shards for t in s.tensors]
+    theirs = [n for n in names if ".experts." in n and ".experts.0." not in n]
+    assert theirs and mine == every - len(theirs)

@@ -108,6 +108,7 @@ def test_an_s3_object_that_stops_answering_is_named_while_the_target_waits(
         "s3",
         f"s3://{BUCKET}/{key}",
     )
+    assert first["model"] == uri  # as the user named it, not vLLM's folder of its config
     assert first["answer"].startswith("no answer from the object store within 1 s")
     assert "RUNAI_STREAMER_S3_MAX_RETRIES" in first["retries"]
     assert "1 times here" in first["retries"]
@@ -131,7 +132,7 @@ def test_an_s3_store_slow_but_moving_says_its_progress_and_no_stall(
 
     said = [e for e in events.named("hybrid_draft.progress") if e["role"] == "target"]
     assert len(said) >= 2, events.all()
-    assert all(e["load_format"] == "runai_streamer" for e in said)
+    assert all(e["load_format"] == "runai_streamer" and e["model"] == uri for e in said)
     assert said[-1]["network_bytes"] > 0
     assert events.named("hybrid_draft.load_stalled") == []
     (loaded,) = events.named("hybrid_draft.loaded")
@@ -193,10 +194,11 @@ def test_a_stuck_object_on_gs_or_azure_is_named_within_90_s(qwen35: Path, tmp_pa
         said = found.get(store, [])
         assert said, f"{store}: no load_stalled in {time.monotonic() - started:.0f} s: {tail}"
         first, expected = said[0], STUCK[store]
-        assert (first["role"], first["store"], first["waiting_on"]) == (
+        assert (first["role"], first["store"], first["waiting_on"], first["model"]) == (
             "target",
             store,
             f"{store}://{BUCKET}/{key}",
+            f"{store}://{BUCKET}/{key.rpartition('/')[0]}",  # the user's, not vLLM's folder
         )
         assert first["answer"].startswith(expected["answer"]), first
         assert all(words in first["retries"] for words in expected["retries"]), first
@@ -205,7 +207,7 @@ def test_a_stuck_object_on_gs_or_azure_is_named_within_90_s(qwen35: Path, tmp_pa
         # Reached at all: the layer's own asking (its threads' reads of the store's answer,
         # once per stall) is never the load moving, or every stall would end at its asking.
         (bound,) = [e for e in said if e.get("action")]
-        assert (bound["action"], bound["stoppable"]) == ("stopping", False)
+        assert (bound["action"], bound["stoppable"]) == ("not_stopped", False)
         assert "runai_response" in bound["detail"]
         assert bound["stalled_seconds"] >= 15  # its load_timeout, one stall long
     if why is not None:

@@ -69,10 +69,20 @@ def differing(model: Any, expected: dict[str, torch.Tensor]) -> list[str]:
 
 def own_state(runner: Any) -> dict[str, torch.Tensor]:
     """The draft's own weights and what vLLM derived from them: not what vLLM shares with
-    the target (the target's session updates those, with the target)."""
-    theirs = {id(p) for p in runner.get_model().parameters()}
+    the target (the target's session updates those, with the target): its parameters, and
+    the buffers of its modules (vLLM caches one rotary embedding for every layer of a
+    shape, the target's and the draft's)."""
+    target = runner.get_model()
+    theirs = {id(p) for p in target.parameters()}
     draft = runner.get_draft_model()
     shared = {n for n, p in draft.named_parameters() if id(p) in theirs}
+    modules = set(target.modules())
+    shared |= {
+        f"buffer:{name}.{b}" if name else f"buffer:{b}"
+        for name, module in draft.named_modules()
+        if module in modules
+        for b in module._buffers
+    }
     return {n: t for n, t in state(draft).items() if n not in shared}
 
 
@@ -287,6 +297,56 @@ def test_whatever_the_chunking_the_draft_is_the_next_steps(
     assert loaded["chunks"] == len(carrying)
 
 
+def test_a_session_whose_shared_tensors_come_after_the_mtp_layer_updates_both(
+    runner: Any, step2: Path, booted: Any, events: Events, tmp_path: Path
+) -> None:
+    """The MTP layer in the first chunk, the embedding and the head (vLLM shares them with
+    the draft) in the last: the draft's staging, begun at the first chunk, leaves the
+    target's own reload of those modules alone, and both models are the next step's."""
+    every = checkpoint_tensors(step2)
+    shared = {
+        n: t for n, t in every.items() if n.endswith(("embed_tokens.weight", "lm_head.weight"))
+    }
+    assert shared
+    rest = {n: t for n, t in every.items() if n not in shared}
+    from hybrid_draft.adapter import internals
+
+    target = runner.get_model()
+    embedding = target.get_submodule("model.embed_tokens")
+    trainer = Trainer(runner, tmp_path)
+    trainer.start()
+    trainer.send(rest)
+    # The draft's staging began with that chunk: the embedding still waits in the target's
+    # own reload for its tensor (vLLM processes it there once it comes).
+    assert internals.in_layerwise_reload(embedding)
+    trainer.send(shared)
+    trainer.worker.finish_weight_update()
+
+    assert differing(runner.get_model(), state(booted.target)) == []
+    assert differing(runner.get_draft_model(), state(booted.draft)) == []
+    (loaded,) = sessions(events, LOADED, "draft")
+    assert loaded["chunks"] == 1
+
+
+def test_a_session_that_sends_a_step_again_ends_the_drafts_step_and_takes_the_next(
+    runner: Any, step2: Path, step3: Path, events: Events, tmp_path: Path
+) -> None:
+    """One session bringing one step's whole model, then the next's (a trainer that resends
+    without a finish between): the draft's step ends where the first tensor comes again
+    (taken whole), the next takes the rest, and at the finish the draft is the later step's,
+    as its fresh boot gives it, while the session stays one target load."""
+    later = load_target_and_draft(engine_config(step3, load_format="safetensors"))
+    draft = runner.get_draft_model()
+    assert differing(draft, state(later.draft))
+
+    Trainer(runner, tmp_path).session([checkpoint_tensors(step2), checkpoint_tensors(step3)])
+
+    assert differing(draft, state(later.draft)) == []
+    assert differing(runner.get_model(), state(later.target)) == []
+    assert len(sessions(events, LOADED, "draft")) == 2
+    assert len(sessions(events, LOADED, "target")) == 1
+
+
 def test_with_a_quantized_copy_of_the_targets_head_the_draft_is_the_next_steps(
     deepseek: Path,
     step2: Path,
@@ -356,6 +416,66 @@ def test_until_the_session_ends_the_draft_is_as_it_was_and_a_failed_session_leav
     assert sessions(events, LOADED, "draft") == []
     (failed,) = [e for e in events.named("hybrid_draft.load_failed") if e["role"] == "target"]
     assert (failed["trigger"], failed["chunks"]) == ("weight_update", 1)
+    (kept,) = sessions(events, DECISION, "draft")
+    assert (kept["action"], kept["reason"], kept["level"]) == ("kept", "target_failed", "warning")
+
+
+@pytest.mark.parametrize("where", ["placing the second layer", "finalize after the attention"])
+def test_a_session_whose_commit_fails_leaves_the_draft_whole(
+    where: str,
+    runner: Any,
+    step2: Path,
+    events: Events,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The session brought the whole MTP layer; then vLLM fails part way through the
+    draft's commit: placing the second processed layer into its storage, or its finalize
+    after it derived MLA's W_UK_T and W_UV from the new kv_b_proj in place. Every draft
+    layer holds the previous step, in the same tensors, and the draft's ``load_failed`` says
+    why; the target's session has ended ``loaded``."""
+    import vllm.model_executor.model_loader.reload.layerwise as layerwise
+
+    from hybrid_draft.adapter import internals
+
+    draft = runner.get_draft_model()
+    before, objects = own_state(runner), tensors_of(draft)
+    if where == "placing the second layer":
+        real = layerwise._place_kernel_tensors
+        count = [0]
+        drafts = set(draft.modules()) - set(runner.get_model().modules())
+
+        def place(layer: Any, info: Any) -> None:
+            count[0] += layer in drafts
+            if count[0] == 2 and layer in drafts:
+                raise RuntimeError("placing the draft's second layer failed")
+            real(layer, info)
+
+        trainer = Trainer(runner, tmp_path)
+        trainer.start()
+        trainer.send(checkpoint_tensors(step2))
+        monkeypatch.setattr(layerwise, "_place_kernel_tensors", place)
+    else:
+        (attention,) = [m for m in draft.modules() if internals.is_deferred_attention(m)]
+        real_process = attention.process_weights_after_loading
+
+        def processed_then_failed(*args: Any, **kwargs: Any) -> None:
+            del attention.process_weights_after_loading  # vLLM's own from here on
+            real_process(*args, **kwargs)
+            raise RuntimeError("finalize failed after the attention's processing")
+
+        trainer = Trainer(runner, tmp_path)
+        trainer.start()
+        trainer.send(checkpoint_tensors(step2))
+        attention.process_weights_after_loading = processed_then_failed
+
+    trainer.worker.finish_weight_update()
+
+    assert tensors_of(draft) == objects
+    assert own_differing(runner, before) == []
+    (loaded,) = sessions(events, LOADED, "target")
+    (failed,) = sessions(events, "hybrid_draft.load_failed", "draft")
+    assert "failed" in failed["error"] and loaded["tensors"] > 0
 
 
 @pytest.mark.parametrize("lacking", ["the MTP layer", "its kv_b_proj"])

@@ -209,16 +209,17 @@ def test_the_offline_llm_follows_each_rl_frameworks_direct_sync(
     cpu_env: CpuEnv, dense: Checkpoint, step2: Path, work: Path, tmp_path: Path
 ) -> None:
     """After each framework's direct ``load_weights`` sync, as its own source makes it
-    (verl, OpenRLHF and AReaL over NCCL, AReaL from disk, skyrl, TRL, NeMo RL), the draft is
-    a fresh boot's of the synced step and proposes what the target decodes; a sync without
-    the MTP layer leaves the draft the previous step's, whole, saying so. Every linear layer
-    keeps its weight, as on a GPU (updatedriver.py: vLLM's CPU build empties them, so a
-    direct ``load_weights`` raises there with the layer or without it)."""
+    (verl, OpenRLHF and AReaL over NCCL, AReaL from disk, skyrl, TRL, NeMo RL), and after a
+    caller that streams one step and at once the previous one into one call each, the draft
+    is a fresh boot's of the step the target holds and proposes what the target decodes; a
+    sync without the MTP layer leaves the draft the previous step's, whole, saying so. Every
+    linear layer keeps its weight, as on a GPU (updatedriver.py: vLLM's CPU build empties
+    them, so a direct ``load_weights`` raises there with the layer or without it)."""
     with Timer("update: a fresh boot of the next step, linear weights kept"):
         kept = _drive(cpu_env, ["boot", step2, work / "step2-kept.pt", "--keep-linear"], work)
     _agrees(kept["acceptance"])
     events_file = tmp_path / "events.jsonl"
-    with Timer("update: the offline LLM, seven direct syncs"):
+    with Timer("update: the offline LLM, eight direct syncs"):
         found = _drive(
             cpu_env,
             ["direct", dense.path, step2, work],
@@ -226,7 +227,7 @@ def test_the_offline_llm_follows_each_rl_frameworks_direct_sync(
             HYBRID_DRAFT_EVENTS_FILE=str(events_file),
         )
     _agrees(found["boot"]["acceptance"])
-    synced = ("verl", "openrlhf", "skyrl", "trl", "nemo_rl", "areal_disk")
+    synced = ("verl", "openrlhf", "skyrl", "trl", "nemo_rl", "streams", "areal_disk")
     for step in synced:
         assert found[step]["differs"] == [], (step, found[step])
         _agrees(found[step]["acceptance"])
@@ -236,16 +237,22 @@ def test_the_offline_llm_follows_each_rl_frameworks_direct_sync(
     # every tensor: the draft follows what the target took.
     assert "Following weights were not initialized" in found["areal_disk"]["error"]
     assert "W_UK_T" in found["areal_disk"]["error"]
-    assert [found[step]["error"] for step in synced[:-1]] == [None] * 5
+    assert [found[step]["error"] for step in synced[:-1]] == [None] * 6
     stale = found["without_mtp"]
     assert stale["differs"] == []  # still step 1's draft, whole, while the target is step 2
     assert stale["acceptance"]["accepted"] < smoke.AGREEING_FLOOR * stale["acceptance"]["drafted"]
 
     events = _events(events_file)
     decisions = _of(events, DECISION, "draft", "direct_update")
-    assert [d["reason"] for d in decisions] == [*(["direct_update"] * 6), "no_draft_tensors"]
+    assert [d["reason"] for d in decisions] == [*(["direct_update"] * 8), "no_draft_tensors"]
     loads = _of(events, LOADED, "draft", "direct_update")
-    assert [e["ended_by"] for e in loads] == ["process_weights_after_loading", *["next_step"] * 5]
+    assert [e["ended_by"] for e in loads] == [
+        "process_weights_after_loading",
+        *["next_step"] * 4,
+        "next_sync",  # the two streamed steps: the first's repeat ends it
+        "next_step",
+        "next_step",
+    ]
     assert loads[0]["draft_calls"] == 3  # verl fed the drafter too: nothing loaded twice
     for load in loads:
         assert load["sources"]["storage"] == {"tensors": 0, "bytes": 0}

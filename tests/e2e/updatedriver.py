@@ -246,6 +246,14 @@ def direct(step1: str, step2: str, work: Path) -> dict[str, Any]:
     ):
         sync = trainers.SYNCS[name]
         synced(step, holds, lambda runner, s=sync, h=holds: s(runner, every[h], cut(h)))
+
+    def streams(runner: Any) -> None:
+        """A checkpoint-engine style caller: the step the draft holds streamed into the
+        target's load_weights, then at once the previous one, no step between."""
+        for step in (step2, step1):
+            runner.model.load_weights(weights=(item for item in every[step].items()))
+
+    synced("streams", step1, streams)
     synced("areal_disk", step1, lambda runner: trainers.areal_disk(runner, step1))
     # The base model alone: the draft keeps step 1's weights while the target is step 2's.
     base = {n: t for n, t in every[step2].items() if not n.startswith(mtp)}

@@ -15,22 +15,25 @@ are one more trigger of the one load path (``policy.Reload``, source ``direct``)
   loads, reloads and sessions (inside a load scope or a load's figures), pass through;
 - **the first call** begins an update (:class:`Update`, a ``carry.Carry``): the target's
   decision (``load.begin``), whose tap is a ``hold.Pass`` of the draft's plan;
-- **each call on the target**: vLLM's, with what it is given counted and shown to the pass;
-  when it returns, the draft's tensors of the call go to the draft's own ``load_weights``
-  through the staging of its own layers (``carry.Stage``), while they are still the
-  caller's; **a call on the draft** (a caller that feeds it itself) passes on only what the
-  update has not brought yet (nothing is loaded twice), with vLLM's MTP completeness check
-  held to the whole update rather than to one call;
+- **each call on the target**: vLLM's, with what it is given counted and shown to the pass,
+  each of the draft's tensors taken by the update's open step (``core/update.py``); when it
+  returns, they go to the draft's own ``load_weights`` through the staging of its own layers
+  (``carry.Stage``), while they are still the caller's; a tensor brought again (a list, a
+  tuple or a stream alike) ends the step there and begins the next; **a call on the draft**
+  (a caller that feeds it itself) takes only what the step has not taken yet (nothing is
+  loaded twice), with vLLM's MTP completeness check held to the whole step rather than to
+  one call;
 - **the end**: the caller's own ``process_weights_after_loading`` on the target (verl, NeMo
   RL), the start of a reload or a session, or, for callers that signal no end, the runner's
-  next step (``execute_model``, before the draft's next proposal). The target's ``loaded``;
-  then the draft's load, which takes what the update passed on only if that is every one of
-  its tensors, or keeps its weights whole saying what was missing. vLLM's quantized copies of
-  the target's head are derived again, as its own updates do.
+  next step or dummy batch (``execute_model``, ``_dummy_run``: before the draft's next
+  forward). The target's ``loaded``; then the draft's step, which it takes only whole, or
+  keeps its weights whole saying what was missing. vLLM's quantized copies of the target's
+  head are derived again, as its own updates do.
 
 A failure in the draft's part never fails the caller's call: the draft keeps its weights and
-its update is ``load_failed``. With the ``reload`` setting off every call runs as vLLM and the
-caller make it, and the update is only reported.
+its update is ``load_failed``. Nor does an invalid setting: the update is refused, said once,
+and its calls are the caller's own. With the ``reload`` setting off every call runs as vLLM
+and the caller make it, and the update is only reported.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from hybrid_draft import settings
 from hybrid_draft.adapter import calls, carry, internals, load, loadscope, parts
 from hybrid_draft.core import draftload, figures, hold, policy
+from hybrid_draft.core import update as update_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -235,9 +239,6 @@ def _direct(link: Link, original: Callable[..., Any], args: tuple[Any, ...], kwa
     first of one."""
     served = link.served
     update = served.update or _begin(served)
-    if update is not None and link.role == "target" and update.repeats(args, kwargs):
-        update.finish("next_sync")  # the caller syncs again with no end between
-        update = _begin(served)
     if update is None:
         return original(*args, **kwargs)
     if link.role == "target":
@@ -248,9 +249,12 @@ def _direct(link: Link, original: Callable[..., Any], args: tuple[Any, ...], kwa
 def _begin(served: Served) -> Update | None:
     """A new update, decided (the target's decision emitted), the runner's next step made its
     end; None where the layer cannot carry it (the call then runs as vLLM's own). An invalid
-    setting is reported and raised, as for every load."""
+    setting refuses it, reported (``config_error``, the target's ``load_failed``): its calls
+    run as vLLM's own and the draft keeps its weights until its end, when the draft's
+    ``load_failed`` says so."""
     vllm_config: VllmConfig = served.runner.vllm_config
     trigger = policy.Reload("direct", weights_path=_DISK.get())
+    refused: settings.ConfigError | None = None
     try:
         with _configured(vllm_config):
             draft_call = _draft_call(vllm_config, trigger)
@@ -264,9 +268,11 @@ def _begin(served: Served) -> Update | None:
                 planned=known[1] if known is not None and known[0] == made_for else None
             )
             with loadscope.use(scope):
-                active = load.begin(lambda: call, trigger)
-    except settings.ConfigError:
-        raise  # reported (config_error, load_failed): an invalid setting stops a load
+                try:
+                    active = load.begin(lambda: call, trigger)
+                except settings.ConfigError as exc:
+                    refused = exc
+                    active = load.Active(load.unread(trigger), figures.LoadStats())
     except Exception as exc:  # the call runs as vLLM's own, saying why
         load.layer_error("the direct update's start", exc, settings.event_sink())
         return None
@@ -284,6 +290,8 @@ def _begin(served: Served) -> Update | None:
         target=served.target,
         draft=served.draft,
         draft_call=draft_call,
+        refused=refused,
+        vllm_config=vllm_config,
         served=served,
     )
     served.update, served.processed = update, False
@@ -312,24 +320,14 @@ class Update(carry.Carry):
     """One direct update of a served target, from its first call to its end."""
 
     served: Served | None = None
-    #: The runner's own ``execute_model`` attribute before the update hooked it (_NONE:
-    #: the class's).
-    step: Any = _NONE
-    #: The draft's tensors the caller's calls on the target brought so far.
-    brought: set[str] = dataclasses.field(default_factory=set)
-
-    def repeats(self, args: Any, kwargs: Any) -> bool:
-        """Whether a call on the target brings again one of the draft's tensors its calls
-        brought already: a caller that signals no end syncing the next step (a list of
-        tensors, as every framework's call holds; a stream is not looked into)."""
-        weights, _, _ = _weights(args, kwargs)
-        if not self.brought or not isinstance(weights, list | tuple):
-            return False
-        return any(isinstance(w, tuple) and w and w[0] in self.brought for w in weights)
+    #: The runner's own attributes of the methods the update hooked (its steps, its dummy
+    #: batch), before it hooked them (_NONE: the class's).
+    steps: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def on_target(self, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """The caller's call on the target: vLLM's load, seen; then the draft's share of it.
-        A call that raises ends the update (the target's ``load_failed``, the draft kept)."""
+        """The caller's call on the target: vLLM's load, seen; then the draft's share of it
+        (a tensor brought again ends the draft's step there). A call that raises ends the
+        update (the target's ``load_failed``, the draft kept, saying why)."""
         weights, rest, more = _weights(args, kwargs)
         started = time.perf_counter()
         try:
@@ -337,32 +335,38 @@ class Update(carry.Carry):
                 if self.report_only or weights is _NONE:
                     result = original(*args, **kwargs)
                 else:
-                    result = original(figures.observed(weights), *rest, **more)
-                    passing = self.passing
-                    if passing is not None:
-                        self.brought.update(name for name, _ in passing.pending)
-                    self.feed()
+                    seen = figures.observed(weights, callers=True)
+                    try:
+                        result = original(seen, *rest, **more)
+                    finally:
+                        seen.close()
         except BaseException as exc:
             self._count(started)
             self.finish("failed_call", exc)
             raise
+        if not self.report_only and weights is not _NONE:
+            self.after_call()
         self._count(started)
         return result
 
     def on_draft(self, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """The caller's call on the draft itself: what the update has not brought yet of the
-        draft's own tensors passes on (into the same staging); the rest (the tensors the
-        target's calls brought, what vLLM shares with the target) is loaded once already."""
+        """The caller's call on the draft itself: what the step has not taken yet of the
+        draft's own tensors goes into the same staging (nothing is loaded twice: what the
+        target's calls brought in this step is taken already)."""
         weights, _, _ = _weights(args, kwargs)
-        passing = self.passing
-        if self.report_only or weights is _NONE or passing is None:
+        step = self.step
+        if self.report_only or weights is _NONE or step is None:
             with loadscope.use(self.scope):  # the caller's feed, as vLLM takes it
                 return original(*args, **kwargs)
-        passing.fed += 1
-        for name, tensor in weights:
-            passing.give(name, tensor)
-        with loadscope.use(self.scope):
-            loaded = self.feed()
+        step.fed += 1
+        try:
+            for name, tensor in weights:
+                self.take(name, tensor, "draft")
+        except Exception as fault:  # the caller's own stream failed: its error, as vLLM's
+            if self.step is not None and not self.step.ended:
+                self.step.fail(fault)
+            raise
+        loaded = self.after_call()
         return loaded if loaded is not None else set()
 
     def _count(self, started: float) -> None:
@@ -373,22 +377,25 @@ class Update(carry.Carry):
         """After a model loader's ``load_weights`` from a checkpoint: the draft's tensors
         its stream lacked (a loader that left the draft's shards out), read from that
         checkpoint by the draft's plan and passed on, so that the draft follows it."""
-        passing = self.passing
-        if passing is None or self.report_only or passing.failure is not None:
+        passing, step = self.passing, self.step
+        if passing is None or step is None or step.state is update_model.State.FAILED:
             return
-        lacking = [t.name for t in passing.plan.kept if t.name in passing.needed - passing.received]
+        lacking = step.lacking()
         if not lacking:
             return
         assert self.served is not None
         try:
             with _configured(self.served.runner.vllm_config), loadscope.use(self.scope):
                 for name, tensor in self._reader()(passing.plan, lacking):
-                    if passing.give(name, tensor):
-                        passing.read_tensors += 1
-                        passing.read_bytes += hold.nbytes(tensor)
+                    if self.take(name, tensor, "target") is update_model.Given.TAKEN:
+                        step.read_tensors += 1
+                        step.read_bytes += hold.nbytes(tensor)
                 self.feed()
         except Exception as exc:  # the draft's update fails at its end, saying this
-            passing.failure = exc
+            if not step.ended:
+                step.fail(exc)
+            else:  # the step it was for has ended: said here
+                load.layer_error("the direct update's read from disk", exc, self.active.load.sink)
 
     def _reader(self) -> Callable[[Any, list[str]], Any]:
         """The draft's planned reader of the target's format (the layer's registered loader
@@ -409,57 +416,66 @@ class Update(carry.Carry):
         return read
 
     def end_at_next_step(self) -> None:
-        """The runner's next ``execute_model`` ends the update first (before the draft's
-        next proposal): an attribute of the runner's own while the update is open, so that
-        steps cost nothing more once it has ended."""
+        """The runner's next step (``execute_model``) or dummy batch (``_dummy_run``, which
+        an idle data-parallel rank runs, the draft's forward too) ends the update first:
+        attributes of the runner's own while the update is open, so that steps cost nothing
+        more once it has ended."""
         served = self.served
         assert served is not None
         runner = served.runner
-        if not callable(getattr(runner, "execute_model", None)):
-            return  # ended by the caller's processing, a reload or a session only
-        self.step = vars(runner).get("execute_model", _NONE)
-        original = runner.execute_model
+        for name, ended_by in internals.RUNNER_STEPS.items():
+            if not callable(getattr(runner, name, None)):
+                continue  # ended by the caller's processing, a reload or a session only
+            self.steps[name] = vars(runner).get(name, _NONE)
+            setattr(runner, name, _ending(served, getattr(runner, name), ended_by))
 
-        @functools.wraps(original)
-        def execute_model(*args: Any, **kwargs: Any) -> Any:
-            finish(served, "next_step")
-            return original(*args, **kwargs)
-
-        runner.execute_model = execute_model
-
-    def _unhook_step(self) -> None:
+    def _unhook_steps(self) -> None:
         served = self.served
         if served is None:
             return
-        if self.step is _NONE:
-            vars(served.runner).pop("execute_model", None)
-        else:
-            served.runner.execute_model = self.step
+        for name, own in self.steps.items():
+            if own is _NONE:
+                vars(served.runner).pop(name, None)
+            else:
+                setattr(served.runner, name, own)
+        self.steps.clear()
 
     def finish(self, ended_by: str, exc: BaseException | None = None) -> None:
         """The update's end (once): the target's ``loaded`` (or ``load_failed`` for a call
-        that raised), the draft's update, the quantized copies of the target's head derived
+        that raised), the draft's step, the quantized copies of the target's head derived
         again. Never raises over the caller's outcome."""
         served = self.served
         assert served is not None
         if served.update is not self:
             return
         served.update = None
-        self._unhook_step()
+        self._unhook_steps()
         self.trigger = dataclasses.replace(self.trigger, ended_by=ended_by)
         self.active.load = dataclasses.replace(self.active.load, trigger=self.trigger)
         if self.draft_call is not None:
             self.draft_call = dataclasses.replace(self.draft_call, trigger=self.trigger)
-        carried = self.passing is not None and not self.report_only
+        carried = self.step is not None
         try:
             with _configured(served.runner.vllm_config), loadscope.use(self.scope):
-                self.end(exc)
+                self.end(exc, ended_by)
                 if exc is None and carried:
                     internals.refresh_quantized_heads(self.draft)
         except Exception as fault:  # never over the caller's own outcome
             load.layer_error("the direct update's end", fault, self.active.load.sink)
         finally:
             served.processed = carried
+
+
+def _ending(served: Served, original: Callable[..., Any], ended_by: str) -> Callable[..., Any]:
+    """``original`` (a runner's method that runs the draft's forward), ending ``served``'s
+    open update first."""
+
+    @functools.wraps(original)
+    def method(*args: Any, **kwargs: Any) -> Any:
+        finish(served, ended_by)
+        return original(*args, **kwargs)
+
+    return method
 
 
 def finish(served: Served, ended_by: str) -> None:

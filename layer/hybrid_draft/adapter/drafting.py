@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 
 from hybrid_draft import records, settings
 from hybrid_draft.adapter import calls, internals, loadscope, parts
-from hybrid_draft.core import draftread, hold, objectstore, policy
+from hybrid_draft.core import draftread, hold, objectstore, policy, update
 from hybrid_draft.core.planning import DraftPlan
 from hybrid_draft.records import ABSENT, Opt
 
@@ -217,7 +217,9 @@ def draft(
     load_config: LoadConfig | None = None
     reads = False
     if decision.reason in ("reload_stream", *CARRIED_REASONS):
-        reads = True  # from the hold (or what an update passed on) alone: no loader, no storage
+        # From the hold (or what an update passed on) alone: no loader, no storage. A carried
+        # draft without a plan took the caller's own feed: nothing read by a plan.
+        reads = plan is not None
     elif decision.switched and failure is None:
         family = decision.chosen_format not in (policy.SAFETENSORS, policy.SELECTIVE_FORMAT)
         if not ours and family:  # a fastsafetensors or Run:ai draft: its target's loader
@@ -253,8 +255,9 @@ def draft(
             access=access,
         )
     sources: Opt[records.Sources] = ABSENT
-    if read is not None and isinstance(found.hold, hold.Pass):
-        sources = passed_sources(found.hold)
+    step = scope.step if scope is not None else None
+    if read is not None and isinstance(found.hold, hold.Pass) and step is not None:
+        sources = passed_sources(read.plan, step)
     elif read is not None:
         sources = read.plan.sources(set(found.hold.tensors) if found.hold is not None else ())
     skip_off = None
@@ -321,22 +324,17 @@ def empty_sources(
     return out or ABSENT
 
 
-def passed_sources(passing: hold.Pass) -> dict[str, dict[str, int]]:
-    """A carried draft's ``sources``: what its target's update passed on (``stream``), what
-    was read from storage where that lacked some (``storage``), and what vLLM shares with
-    the target (the target's update loaded it)."""
-    sources = passing.plan.sources()
-    sources["storage"] = {"tensors": passing.read_tensors, "bytes": passing.read_bytes}
+def passed_sources(plan: DraftPlan, step: update.Step) -> dict[str, dict[str, int]]:
+    """A carried draft's ``sources``: what its target's update passed on in the step
+    (``stream``), what was read from storage where that lacked some (``storage``), and what
+    vLLM shares with the target (the target's update loaded it)."""
+    sources = plan.sources()
+    sources["storage"] = {"tensors": step.read_tensors, "bytes": step.read_bytes}
     sources["stream"] = {
-        "tensors": len(passing.received) - passing.read_tensors,
-        "bytes": passing.received_bytes - passing.read_bytes,
+        "tensors": len(step.taken) - step.read_tensors,
+        "bytes": step.bytes - step.read_bytes,
     }
     return sources
-
-
-def _names(names: list[str], most: int = 8) -> str:
-    shown = ", ".join(names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def reload_check(
@@ -353,7 +351,7 @@ def reload_check(
     if decision.reason == "draft_session":
         return decision  # vLLM's own: it loads what the trainer sends
     if decision.reason in CARRIED_REASONS:
-        return session_check(decision, held, ours, call)
+        return session_check(decision, loadscope.current())
     if decision.reason == "reload_stream":
         if not ours or held is None:
             why = (
@@ -370,7 +368,9 @@ def reload_check(
         if over or lacking:
             parts_ = []
             if lacking:
-                parts_.append(f"the weights iterator lacked {len(lacking)}: {_names(lacking)}")
+                parts_.append(
+                    f"the weights iterator lacked {len(lacking)}: {update.names(lacking)}"
+                )
             if over:
                 parts_.append(f"{len(over)} did not fit the hold budget ({held.budget} bytes)")
             return policy.not_reloaded(
@@ -390,53 +390,19 @@ def reload_check(
     return decision
 
 
-def session_check(
-    decision: policy.Decision, held: hold.Hold | None, ours: bool, call: calls.Call
-) -> policy.Decision:
-    """A target session's (or direct update's) draft at its end: it takes what the update
-    passed on only if that is every one of its tensors (the draft is never left part one
-    step's and part another's)."""
-    trigger = call.trigger
-    backend = trigger.backend if trigger is not None else None
-    direct = trigger is not None and trigger.source == "direct"
-    if direct:
-        session = "the direct update"
-    else:
-        session = f"the {backend} session" if backend else "the session"
-    if not ours or not isinstance(held, hold.Pass):
-        why = (
-            f"the draft has no plan to take its tensors from {session} by"
-            if not ours
-            else f"{session} passed nothing on to it (the target decision's one_pass says why)"
-        )
+def session_check(decision: policy.Decision, scope: loadscope.Scope | None) -> policy.Decision:
+    """A carried draft's load at its step's end (a weight-transfer session's, a direct
+    update's): what the step decided (``update.Step.end``). A kept step keeps the draft's
+    weights, saying why; a committed or failed one loads (a failed one fails, saying why)."""
+    step = scope.step if scope is not None else None
+    outcome = step.outcome if step is not None else None
+    if outcome is None:
         return policy.not_reloaded(
-            decision, "incomplete_stream", f"{why}: the draft keeps its weights"
+            decision, "incomplete_stream", "the update has no step: the draft keeps its weights"
         )
-    if held.failure is not None:
-        return decision  # its load fails, saying why
-    if not held.received:
-        how = (
-            ""
-            if held.offered or direct
-            else " (its engine loaded the target without the model's load_weights, writing "
-            "the parameters itself)"
-        )
-        return policy.not_reloaded(
-            decision,
-            "no_draft_tensors",
-            f"{session} brought none of the draft's {len(held.needed)} tensors{how}: the "
-            "draft keeps its weights",
-        )
-    lacked = held.needed - held.received
-    missing = [t.name for t in held.plan.kept if t.name in lacked]  # in file order
-    if missing:
-        return policy.not_reloaded(
-            decision,
-            "incomplete_stream",
-            f"{session} brought {len(held.received)} of the draft's {len(held.needed)} "
-            f"tensors; it lacked {len(missing)}: {_names(missing)}: the draft keeps its "
-            "weights",
-        )
+    if outcome.state is update.State.KEPT:
+        assert outcome.reason is not None and outcome.detail is not None
+        return policy.not_reloaded(decision, outcome.reason, outcome.detail)
     return decision
 
 

@@ -30,7 +30,7 @@ import functools
 import inspect
 import sys
 import textwrap
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -221,7 +221,13 @@ COPY_AND_RESTORE_KERNEL_TENSORS = Name(
 PLACE_KERNEL_TENSORS = Name(f"{_LAYERWISE}:_place_kernel_tensors", ("layer", "info"))
 LAYER_RELOADING_INFO = Name(
     f"{_RELOAD}.types:LayerReloadingInfo",
-    fields=("kernel_tensors", "kernel_non_persistent_buffers", "loaded_weights"),
+    fields=(
+        "kernel_tensors",
+        "kernel_non_persistent_buffers",
+        "loaded_weights",
+        "load_numel",
+        "load_numel_total",
+    ),
 )
 FINALIZE_LAYERWISE_RELOAD = Name(
     f"{_LAYERWISE}:finalize_layerwise_reload", ("model", "model_config")
@@ -255,6 +261,15 @@ _SESSION_NAMES = (
 PROCESS_WEIGHTS_AFTER_LOADING = Name(
     "vllm.model_executor.model_loader.utils:process_weights_after_loading",
     ("model", "model_config", "target_device"),
+)
+#: The model runner's methods that run the draft's forward, each with what it ends of a
+#: direct update when called: its step (``execute_model``: the target's forward, then the
+#: draft's proposal) and the dummy batch an idle data-parallel rank runs
+#: (``Worker.execute_dummy_batch`` calls ``_dummy_run``, the drafter's ``dummy_run`` in
+#: it), on the V1 runner and model runner v2 alike. Wrapped on the runner instance, taking
+#: whatever arguments vLLM passes.
+RUNNER_STEPS: Mapping[str, str] = MappingProxyType(
+    {"execute_model": "next_step", "_dummy_run": "dummy_batch"}
 )
 #: vLLM's re-derivation of a draft's quantized copy of the target's head
 #: (``draft_lm_head_quantization``), which its own weight updates run: optional (a vLLM
@@ -965,6 +980,22 @@ def weights_complete(check: Callable[[set[str]], None], model: Any, loaded: set[
     return True
 
 
+def draft_weights_complete(
+    model: Any, load_config: LoadConfig, loaded: set[str], quantized: bool
+) -> bool:
+    """Whether vLLM's loader would find every parameter of ``model`` loaded with
+    ``loaded`` (``DefaultModelLoader.track_weights_loading``, asked without raising)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    _require(TRACK_WEIGHTS_LOADING)
+    loader = DefaultModelLoader(load_config)
+
+    def check(names: set[str]) -> None:
+        loader.track_weights_loading(model, names, quantized=quantized)
+
+    return weights_complete(check, model, loaded)
+
+
 #: vLLM's switches that tell an MTP class's ``load_weights`` it holds only part of the
 #: checkpoint: 0.33's context manager, or 0.34's process-wide "weight update" flag.
 MTP_COMPLETENESS_SWITCH = (
@@ -1025,6 +1056,40 @@ def in_reload(model: Any) -> bool:
         if info is not None and info.can_load():
             return True
     return False
+
+
+@contextlib.contextmanager
+def outside_reload(modules: Iterable[Any]) -> Iterator[None]:
+    """While open, each of ``modules`` that waits in vLLM's layerwise reload now (a module of
+    the target's in the target's own session) is out of its sight: a reload step on a model
+    holding it (the draft's finalize) passes it by, and its record is as it was after."""
+    table = _layerwise().LAYERWISE_INFO
+    hidden = {}
+    for module in modules:
+        info = table.get(module)
+        if info is not None and info.can_load():
+            hidden[module] = table.pop(module)
+    try:
+        yield
+    finally:
+        for module, info in hidden.items():
+            table[module] = info
+
+
+def in_layerwise_reload(module: Any) -> bool:
+    """Whether ``module`` waits in vLLM's layerwise reload now."""
+    info = layerwise_info(module)
+    return info is not None and bool(info.can_load())
+
+
+def waits_for_tensors(module: Any) -> bool:
+    """Whether ``module``, in vLLM's layerwise reload, has been given fewer elements than
+    it loads (``load_numel`` below ``load_numel_total``; a layer processed once whole has
+    left the reload's record)."""
+    info = layerwise_info(module)
+    if info is None or not info.can_load():
+        return False
+    return bool(info.load_numel < (info.load_numel_total or 0))
 
 
 def initialize_layerwise(module: Any) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -99,8 +99,9 @@ class Load:
 
     @property
     def model(self) -> str | None:
+        """The model as the user named it (``policy.Checkpoint.shown``)."""
         model = self.request.model if self.request is not None else None
-        return model.model if model is not None else None
+        return model.shown if model is not None else None
 
     @property
     def load_config(self) -> LoadConfig | None:
@@ -189,9 +190,9 @@ class Load:
             reason=decision.reason,
             detail=decision.detail or ABSENT,
             fallback=decision.fallback or ABSENT,
-            model=model.model if model is not None else None,
+            model=model.shown if model is not None else None,
             revision=model.revision if model is not None else None,
-            target_model=target.model if target is not None else ABSENT,
+            target_model=target.shown if target is not None else ABSENT,
             target_revision=target.revision if target is not None else ABSENT,
             **self.occasion,
             one_pass=self.target.report if self.target is not None else ABSENT,
@@ -227,11 +228,13 @@ class Load:
         fed: int | records.Absent = ABSENT
         if tap is not None and not isinstance(tap, hold.Pass):
             held = tap.summary()
-        if read is not None and read.hold is not None:
-            if isinstance(read.hold, hold.Pass):  # a carried draft: what passed, no hold
-                calls, fed = (read.hold.chunks, read.hold.seconds), read.hold.fed
-            else:
-                held = read.hold.summary()
+        if read is not None and read.hold is not None and not isinstance(read.hold, hold.Pass):
+            held = read.hold.summary()
+        scope = loadscope.current()
+        step = scope.step if scope is not None else None
+        carried = self.trigger is not None and self.trigger.carries
+        if self.role == "draft" and carried and step is not None:  # what its step took
+            calls, fed = (step.calls, step.seconds), step.fed
         count = calls[0] if calls is not None else ABSENT
         seconds = round(calls[1], 6) if calls is not None else ABSENT
         session = self.trigger is not None and self.trigger.source == "weight_update"
@@ -444,30 +447,35 @@ def begin(resolve: Callable[[], calls.Call], trigger: policy.Reload | None = Non
             _emit_decision(load)
     tap = load.tap
     cost.observe = tap.offer if tap is not None else None
-    return Active(load, cost, watched=_watch(load, cost))
+    return Active(load, cost, watched=_watch(load, cost, call if fault is None else None))
 
 
 #: The load formats whose library reads in C++ (InstantTensor, fastsafetensors, the Run:ai
 #: Model Streamer): a stop lands in the loading thread only when the library's call returns.
+_RUNAI = (
+    "the Run:ai Model Streamer waits in its C++ library (runai_response) until its client "
+    "answers or gives up: a stop would land only then, so none is made"
+)
+_INSTANTTENSOR = (
+    "InstantTensor reads in its C++ library: a stop would land only once its read returned, "
+    "so none is made"
+)
+_FASTSAFETENSORS = (
+    "fastsafetensors reads in its C++ library: a stop would land only once its read returned, "
+    "so none is made"
+)
 _LIBRARY_READS = {
-    policy.RUNAI_STREAMER: "the Run:ai Model Streamer waits in its C++ library "
-    "(runai_response) until its client answers or gives up: the layer's stop lands only then",
-    policy.RUNAI_FILTERED: "the Run:ai Model Streamer waits in its C++ library "
-    "(runai_response) until its client answers or gives up: the layer's stop lands only then",
-    policy.INSTANTTENSOR: "InstantTensor reads in its C++ library: the layer's stop lands "
-    "when its read returns",
-    policy.SELECTIVE: "InstantTensor reads in its C++ library: the layer's stop lands when "
-    "its read returns",
-    policy.UNGROUPED: "InstantTensor reads in its C++ library: the layer's stop lands when "
-    "its read returns",
-    policy.FASTSAFETENSORS: "fastsafetensors reads in its C++ library: the layer's stop "
-    "lands when its read returns",
-    policy.FASTSAFETENSORS_FILTERED: "fastsafetensors reads in its C++ library: the layer's "
-    "stop lands when its read returns",
+    policy.RUNAI_STREAMER: _RUNAI,
+    policy.RUNAI_FILTERED: _RUNAI,
+    policy.INSTANTTENSOR: _INSTANTTENSOR,
+    policy.SELECTIVE: _INSTANTTENSOR,
+    policy.UNGROUPED: _INSTANTTENSOR,
+    policy.FASTSAFETENSORS: _FASTSAFETENSORS,
+    policy.FASTSAFETENSORS_FILTERED: _FASTSAFETENSORS,
 }
 
 
-def _watch(load: Load, cost: figures.LoadStats) -> watch.Watched | None:
+def _watch(load: Load, cost: figures.LoadStats, call: calls.Call | None) -> watch.Watched | None:
     """The load, watched while it runs (``core/watch.py``): a load that spans calls (a
     session's, a direct update's) only inside them."""
     current = load.snapshot
@@ -475,6 +483,15 @@ def _watch(load: Load, cost: figures.LoadStats) -> watch.Watched | None:
         return None
     trigger = load.trigger
     read = load.read
+    tap = load.tap
+    # The checkpoint's tensors this rank's target load is given: with expert parallelism,
+    # vLLM's loader skips the other ranks' experts (its own filter), counted once, when the
+    # watcher first asks.
+    skip = _expert_skip(call) if tap is not None and call is not None else None
+
+    @functools.cache
+    def checkpoint_tensors() -> int | None:
+        return rank_tensors(tap.plan.shards, skip) if tap is not None else None
 
     def planned() -> tuple[int | None, int | None]:
         """The bytes and tensors the load will take, where known now."""
@@ -485,9 +502,9 @@ def _watch(load: Load, cost: figures.LoadStats) -> watch.Watched | None:
         if trigger is not None and trigger.carries:
             return None, None  # the caller's tensors, whatever they are
         sizes = [cost.resolved[f] for f in cost.resolved if f not in cost.dropped]
-        tap = load.tap
-        tensors = sum(len(s.tensors) for s in tap.plan.shards) if tap is not None else None
-        return (None if not sizes or None in sizes else sum(s or 0 for s in sizes)), tensors
+        return (None if not sizes or None in sizes else sum(s or 0 for s in sizes)), (
+            checkpoint_tensors()
+        )
 
     if trigger is not None:
         note: str | None = (
@@ -517,17 +534,65 @@ def _watch(load: Load, cost: figures.LoadStats) -> watch.Watched | None:
     )
 
 
+def rank_tensors(shards: Iterable[checkpoint.Shard], skip: Callable[[str], bool] | None) -> int:
+    """The tensors of ``shards`` a load on this rank is given: all but those ``skip`` says
+    another rank's (vLLM's expert-parallel filter)."""
+    names = (t.name for s in shards for t in s.tensors)
+    return sum(1 for n in names if skip is None or not skip(n))
+
+
+def _expert_skip(call: calls.Call) -> Callable[[str], bool] | None:
+    """Whether the target's load on this rank skips a name (another rank's expert), by
+    vLLM's own filter (None: it cannot be asked here; every tensor counts)."""
+    try:
+        return internals.local_expert_filter(
+            calls.lazy_load_config(call.load_config), call.model_config
+        )
+    except Exception:  # a figure of a progress event, never a load's failure
+        return None
+
+
 def end(active: Active, exc: BaseException | None) -> None:
     """Emit what a load decided by :func:`begin` cost: ``loaded``, or ``load_failed`` for a
-    load that raised ``exc`` (a target's hold checked first, :func:`_settle`)."""
-    if exc is None:
+    load that raised ``exc`` (a target's hold checked first, :func:`_settle`). The watch of
+    the load ends first: nothing it asked of the load's thread lands after this."""
+    watched = active.watched
+    late: watch.LoadStalled | None = None
+    if watched is not None:
+        try:
+            watch.stop(watched)
+        except watch.LoadStalled as landed:  # just before the stop could take it back
+            late = landed
+    failure = exc if exc is not None else late
+    if failure is None:
         _settle(active.load)
     trigger = active.load.trigger
     calls = (active.calls, active.call_seconds) if trigger is not None and trigger.carries else None
-    watched = active.watched
-    if watched is not None:
-        watch.stop(watched)
-    _finish(active.load, active.cost, exc, calls, watched.figures() if watched else None)
+    _finish(active.load, active.cost, failure, calls, watched.figures() if watched else None)
+    if exc is None and late is not None:
+        raise late  # the load failed as its event says
+
+
+def unread(trigger: policy.Reload | None) -> Load:
+    """A load whose settings are invalid: nothing decided."""
+    return Load(request=None, snapshot=None, where=where_of(None), trigger=trigger)
+
+
+def refused(
+    resolve: Callable[[], calls.Call],
+    trigger: policy.Reload | None,
+    exc: settings.ConfigError,
+) -> None:
+    """A load that an invalid setting refused, reported as :func:`begin` reports one (its
+    ``load_failed``) without being raised: the draft of an update whose calls ran as the
+    caller's own."""
+    request: policy.Request | None
+    try:
+        request = resolve().request()
+    except Exception:  # the load is still reported, without what could not be read
+        request = None
+    failed = Load(request=request, snapshot=None, where=where_of(None), trigger=trigger)
+    _finish(failed, figures.LoadStats(), exc)
 
 
 def run(
@@ -550,6 +615,8 @@ def run(
             if load.draft is not None and load.draft.failure is not None:
                 raise load.draft.failure  # its plan's reads were refused: failed once, here
             model = proceed(load.load_config)
+            if active.watched is not None:  # a stop asked of this thread lands here or never
+                watch.stop(active.watched)
     except BaseException as exc:
         end(active, exc)
         raise

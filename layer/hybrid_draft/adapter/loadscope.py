@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from vllm.config import ModelConfig
 
     from hybrid_draft.adapter import sharing
-    from hybrid_draft.core import hold
+    from hybrid_draft.core import hold, update
     from hybrid_draft.core.planning import DraftPlan
 
 
@@ -37,6 +37,9 @@ class Scope:
     #: A draft plan its owner made for an earlier update of the same checkpoint, which an
     #: update that carries the draft takes its names from again (``direct``).
     planned: DraftPlan | None = None
+    #: The draft's open step of an update that carries it (``carry.Carry``), which the
+    #: draft's load at the step's end follows.
+    step: update.Step | None = None
 
     def hold_for(self, draft_model_config: ModelConfig) -> hold.Hold | None:
         return next(

@@ -79,7 +79,7 @@ def run(
 
     def target(_config: LoadConfig | None) -> Any:
         if iterator is not None:  # seen as the model takes it: counted, and tapped
-            bound.arguments["weights_iterator"] = figures.observed(iterator)
+            bound.arguments["weights_iterator"] = figures.observed(iterator, callers=True)
         return vllms()
 
     with loadscope.scope():

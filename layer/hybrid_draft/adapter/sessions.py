@@ -78,8 +78,12 @@ class Session(carry.Carry):
         own = vars(model).get("load_weights", _NONE)  # an attribute of the instance's own
 
         def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(figures.observed(weights), *args, **kwargs)
-            self.feed()
+            seen = figures.observed(weights, callers=True)
+            try:
+                result = original(seen, *args, **kwargs)
+            finally:
+                seen.close()
+            self.after_call()
             return result
 
         model.load_weights = load_weights
@@ -145,6 +149,7 @@ def _open(worker: Any, is_draft: bool, layout: str) -> Session | None:
         target=worker.get_model(),
         draft=draft,
         draft_call=None if is_draft else draft_call,
+        vllm_config=vllm_config,
         model=model,
     )
 

@@ -164,15 +164,18 @@ Observer = Callable[[str, Any], None]
 class Observed:
     """``weights`` as the model takes them (:func:`observed`): each counted as a tensor
     yielded in the load current when the iteration starts, and shown to its observer (the
-    one-pass tap), if any."""
+    one-pass tap), if any. A caller's weights (``callers``: a trainer's stream, which may
+    wait on its own broadcast for the next tensor) are being read only while the model
+    takes one, not while the caller produces the next."""
 
-    __slots__ = ("_items", "_observe", "_started", "_stats")
+    __slots__ = ("_callers", "_items", "_observe", "_started", "_stats")
 
-    def __init__(self, weights: Iterable[tuple[str, Any]]) -> None:
+    def __init__(self, weights: Iterable[tuple[str, Any]], callers: bool = False) -> None:
         self._items = iter(weights)
         self._stats: LoadStats | None = None
         self._observe: Observer | None = None
         self._started = False
+        self._callers = callers
 
     def __iter__(self) -> Observed:
         return self
@@ -185,25 +188,46 @@ class Observed:
                 stats.tensors = stats.tensors or 0
                 stats.streaming += 1
                 self._observe = stats.observe
+        stats = self._stats
+        waits = self._callers and stats is not None and self._items is not _DONE
+        if waits:
+            stats.streaming -= 1  # type: ignore[union-attr]
         try:
             item = next(self._items)
         except StopIteration:
-            if self._stats is not None and self._items is not None:
-                self._stats.streaming -= 1
-            self._items = iter(())  # exhausted: counted once
+            if stats is not None and self._items is not _DONE and not waits:
+                stats.streaming -= 1
+            self._items = _DONE  # exhausted: counted once
             raise
+        except BaseException:
+            if waits:
+                stats.streaming += 1  # type: ignore[union-attr]
+            raise
+        if waits:
+            stats.streaming += 1  # type: ignore[union-attr]
         if self._stats is not None:
             self._stats.tensors = (self._stats.tensors or 0) + 1
         if self._observe is not None:
             self._observe(*item)
         return item
 
+    def close(self) -> None:
+        """The model has stopped taking these weights (its call returned or raised): a
+        stream it left part way is no longer being read."""
+        if self._started and self._items is not _DONE:
+            if self._stats is not None:
+                self._stats.streaming -= 1
+            self._items = _DONE
 
-def observed(weights: Iterable[tuple[str, Any]]) -> Observed:
-    """``weights`` as the model takes them (:class:`Observed`); weights already observed
-    (a loader's stream the load instruments, handed to a model's wrapped ``load_weights``)
-    are counted and shown once."""
-    return weights if isinstance(weights, Observed) else Observed(weights)
+
+_DONE: Iterator[Any] = iter(())
+
+
+def observed(weights: Iterable[tuple[str, Any]], callers: bool = False) -> Observed:
+    """``weights`` as the model takes them (:class:`Observed`; ``callers``: a caller's own
+    weights); weights already observed (a loader's stream the load instruments, handed to
+    a model's wrapped ``load_weights``) are counted and shown once."""
+    return weights if isinstance(weights, Observed) else Observed(weights, callers)
 
 
 def received(files: list[str], weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from hybrid_draft import records
-from hybrid_draft.core import objectstore
+from hybrid_draft.core import objectstore, update
 from hybrid_draft.core.planning import DraftPlan
 from hybrid_draft.events import Sink, emit
 from hybrid_draft.settings import Settings
@@ -129,9 +129,14 @@ class Hold:
         )
 
     def offer(self, name: str, tensor: Any) -> None:
-        """Called for every tensor the target's stream yields: keep the draft's."""
-        if name not in self.wanted or name in self.tensors or self.released:
+        """Called for every tensor the target's stream yields: keep the draft's. A name the
+        stream yields again (a reload's weights iterator may) is the later value, as the
+        target's ``load_weights`` takes it: that one is kept, or none where it does not fit."""
+        if name not in self.wanted or self.released:
             return
+        earlier = self.tensors.pop(name, None)
+        if earlier is not None:
+            self.held_bytes -= nbytes(earlier)
         size = nbytes(tensor)
         if self.held_bytes + size > self.budget:
             return
@@ -196,33 +201,18 @@ class Hold:
 
 @dataclass
 class Pass(Hold):
-    """The draft's tensors as a weight-transfer session of its target passes them: nothing
-    is held. Each tensor of the draft's the target's ``load_weights`` is given waits in
-    ``pending`` only until that call returns (the engine may free or refill the chunk's
-    memory once its ``update_weights`` returns), when the adapter hands them to the draft's
-    own load (:meth:`drain`); what went by is counted (``received``) for the session's end,
-    which compares it with ``needed`` (``drafting.session_check``)."""
+    """The draft's tensors as an update of its target passes them (a trainer's
+    weight-transfer session, its direct ``load_weights`` calls): nothing is held. Each
+    tensor of the draft's that the target's ``load_weights`` is given goes to the update's
+    open step (``update.Step.take``), where it waits only until that call returns (the
+    caller may free or refill its memory then), when the adapter stages it in the draft's
+    own load."""
 
-    #: The draft's tensors the session brought (each counted once), and their bytes.
-    received: set[str] = field(default_factory=set)
-    received_bytes: int = 0
-    pending: list[tuple[str, Any]] = field(default_factory=list)
-    #: The chunks that carried any of the draft's tensors, and the seconds the draft's
-    #: loads of them took.
-    chunks: int = 0
-    seconds: float = 0.0
-    #: A failure of the draft's load of a chunk: the draft is then left as it was.
-    failure: BaseException | None = None
-    #: Every tensor the target's ``load_weights`` was given in the session (0: the engine
+    #: The update's open step (None: none yet, or the update only reports).
+    step: update.Step | None = None
+    #: Every tensor the target's ``load_weights`` was given in the update (0: the engine
     #: wrote the target's parameters without it).
     offered: int = 0
-    #: The calls a caller made on the draft's own ``load_weights`` in the update (a direct
-    #: update's caller that feeds the draft itself): their tensors pass on here too.
-    fed: int = 0
-    #: Of ``received``, the tensors read from storage by the draft's plan where the update's
-    #: stream lacked them (a model loader that left the draft's shards out), and their bytes.
-    read_tensors: int = 0
-    read_bytes: int = 0
 
     @classmethod
     def passing(
@@ -245,30 +235,16 @@ class Pass(Hold):
         )
 
     def offer(self, name: str, tensor: Any) -> None:
-        """Called for every tensor the target's ``load_weights`` is given: pass the draft's
-        on (the first time each comes by)."""
+        """Called for every tensor the target's ``load_weights`` is given: the draft's go to
+        the open step."""
         self.offered += 1
-        self.give(name, tensor)
-
-    def give(self, name: str, tensor: Any) -> bool:
-        """Pass ``tensor`` on if it is one of the draft's and has not come by yet (a caller's
-        call on the draft itself gives its tensors here); whether it was."""
-        if name not in self.wanted or name in self.received or self.released:
-            return False
-        self.pending.append((name, tensor))
-        self.received.add(name)
-        self.received_bytes += nbytes(tensor)
-        return True
-
-    def drain(self) -> list[tuple[str, Any]]:
-        """The draft's tensors of the call that just returned, no longer referenced here."""
-        out, self.pending = self.pending, []
-        return out
+        step = self.step
+        if step is not None and name in self.wanted and not step.ended:
+            step.take(name, tensor, "target")
 
     def release(self, reason: str) -> None:
-        """Stop passing tensors on (nothing is held: no event)."""
-        self.released = True
-        self.pending.clear()
+        """Nothing is held, and nothing to stop: the update's steps take what passes until
+        its end (a step's own end, at a repeat, is a draft load's end too)."""
 
 
 def free_memory(device: Any) -> int | None:

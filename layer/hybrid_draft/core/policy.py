@@ -51,6 +51,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from hybrid_draft.core import figures
+
 INSTANTTENSOR = "instanttensor"
 SAFETENSORS = "safetensors"
 #: The load format of the registered selective loader (InstantTensor with a tensor filter).
@@ -104,6 +106,7 @@ NOT_RELOADED = (
     "own_checkpoint_kept",
     "no_draft_tensors",
     "incomplete_stream",
+    "target_failed",
 )
 
 #: Every ``reason`` a decision event can carry. ``layer_error`` is the adapter's: the layer
@@ -139,6 +142,13 @@ class Checkpoint:
     model: str
     revision: str | None = None
     aliases: tuple[str, ...] = ()
+
+    @property
+    def shown(self) -> str:
+        """The name the user gave: an object-storage address (``s3://``, ``gs://``,
+        ``az://``) the weights are read from, rather than the local folder vLLM copied the
+        checkpoint's JSON files into; else the model."""
+        return next((a for a in self.aliases if figures.is_object_uri(a)), self.model)
 
 
 ReloadSource = Literal["checkpoint", "weights_path", "iterator", "weight_update", "direct"]

@@ -15,12 +15,14 @@ process has open or mapped), never at a tensor itself, and says:
   (again every ``stall_seconds`` while it lasts, ``hybrid_draft.load_resumed`` once they move):
   the shard or object it waits on, the store, what the layer itself found when it asked (an
   object's first byte, once per stall), and the loader's own retry behaviour;
-- with ``load_timeout``, a model's first load stalled that long is stopped: the exception
-  :class:`LoadStalled`, naming the object, is raised in the loading thread as soon as it runs
-  Python again (at once where the loader waits between reads; only when its call returns
-  where it waits inside a library's own I/O, which the event says), and the load ends with
-  ``load_failed``. A reload or an update of weights already served is never stopped part way:
-  the model would be left part one step's.
+- with ``load_timeout``, a model's first load stalled that long, whose loader waits between
+  reads in Python, is stopped: the exception :class:`LoadStalled`, naming the object, is
+  raised in the loading thread as soon as it runs Python again, and the load ends with
+  ``load_failed``; only a load still watched and still quiet then, under the lock its end
+  takes, and a stop not yet landed when it ends is taken back. A loader that waits inside
+  its library's own I/O is never stopped (the exception would land once its read returned,
+  whole: the event says so), nor a reload or an update of weights already served: the
+  model would be left part one step's.
 
 A load is stalled only while its loader is reading: from the first tensor it is asked for
 until its stream has given the last (``figures.LoadStats.streaming``). Before (the plan, the
@@ -180,12 +182,23 @@ class Watched:
     asked_io: int = 0
     stop_asked: bool = False
     next_progress: float = 0.0
-    last_progress: tuple[float, int] = (0.0, 0)
+    #: The reading seconds, the bytes and the tensors done at the last progress event.
+    last_progress: tuple[float, int, int] = (0.0, 0, 0)
     slowest: dict[str, float] | None = None
+    #: Seconds the load has been reading (a load that spans a caller's calls: only inside
+    #: them; any other: since it began), as of the last look.
+    reading: float = 0.0
+    last_look: float | None = None
+    #: The thread was asked to raise :class:`LoadStalled` (and has not yet been told not to).
+    queued: bool = False
+    #: Held while a stall is said to be over (by the watcher, or by :func:`stop` for a load
+    #: that moved and ended between two looks): once.
+    resuming: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self.next_progress = self.started + self.progress
-        self.last_progress = (self.started, 0)
+        self.last_progress = (0.0, 0, 0)
+        self.last_look = self.started
 
     @property
     def tick(self) -> float:
@@ -194,14 +207,21 @@ class Watched:
 
     def done_bytes(self, read: int | None) -> int:
         """What the load has read so far: bytes from storage, and from object storage."""
-        stored = read - self.read_at_start if read is not None and self.read_at_start else 0
+        stored = (
+            read - self.read_at_start if read is not None and self.read_at_start is not None else 0
+        )
         return max(stored, 0) + (self.cost.network or 0)
 
     def look(self, now: float, read: int | None, moved: int) -> None:
         """One look (``read``: the process's storage bytes read so far; ``moved``: its I/O
         less the watcher's): a stall begun, lasting or over; progress due; the bound
         reached."""
-        signature = (moved - self.asked_io, self.cost.network, self.cost.tensors)
+        if not self.spans_calls:
+            self.reading = now - self.started
+        elif self.last_look is not None and self.cost.streaming > 0:
+            self.reading += now - self.last_look
+        self.last_look = now
+        signature = self._signature(moved)
         fresh = signature != self.signature
         if fresh or self.cost.streaming <= 0:  # moving, or not reading (nothing to wait on)
             if self.stalled_since is not None:
@@ -220,12 +240,23 @@ class Watched:
             elif now >= self.next_stall:
                 self._stalled(now, quiet, read)
             if self.timeout is not None and quiet >= self.timeout and not self.stop_asked:
-                self._stop(now, quiet, read)
+                _stop_if_still_stalled(self, quiet, read)
         if self.progress and now >= self.next_progress:
             if not self.spans_calls or self.cost.streaming > 0:
                 self._progress(now, read)
             else:  # between a caller's calls: nothing to say
                 self.next_progress = now + self.progress
+
+    def _signature(self, moved: int) -> tuple[Any, ...]:
+        """What moves while the load reads: its I/O less the layer's own asking, the bytes
+        it received from object storage, its tensors."""
+        return (moved - self.asked_io, self.cost.network, self.cost.tensors)
+
+    def still_quiet(self) -> bool:
+        """Whether nothing moved since the look that found the stall (asking the store can
+        take seconds, in which a load may have moved again, or ended)."""
+        own = threading.get_native_id()
+        return self.cost.streaming > 0 and self._signature(activity(own)) == self.signature
 
     # -- what is said ---------------------------------------------------------------------
 
@@ -239,10 +270,13 @@ class Watched:
 
     def _progress(self, now: float, read: int | None) -> None:
         done = self.done_bytes(read)
-        since, before = self.last_progress
-        rate = (done - before) / (now - since) if now > since else 0.0
-        planned_bytes, planned_tensors = self.planned()
         tensors = self.cost.tensors or 0
+        since, before, before_tensors = self.last_progress
+        reading = self.reading
+        span = reading - since
+        rate = (done - before) / span if span > 0 else 0.0
+        tensor_rate = (tensors - before_tensors) / span if span > 0 else 0.0
+        planned_bytes, planned_tensors = self.planned()
         # How far it is: by its bytes read, or by its tensors where it planned them (a read
         # the page cache serves reads no byte from storage), whichever says more.
         share = max(
@@ -251,14 +285,21 @@ class Watched:
         )
         eta = None
         if share > 0:
-            eta = round((now - self.started) * (1 - min(share, 1.0)) / share, 1)
-        if self.slowest is None or rate < self.slowest["bytes_per_s"]:
+            eta = round(reading * (1 - min(share, 1.0)) / share, 1)
+        # The slowest stretch by bytes, then (a read the page cache serves moves no byte
+        # from storage) by tensors.
+        slowest = self.slowest
+        if span > 0 and (
+            slowest is None
+            or (rate, tensor_rate) < (slowest["bytes_per_s"], slowest["tensors_per_s"])
+        ):
             self.slowest = {
-                "at_seconds": round(since - self.started, 3),
-                "seconds": round(now - since, 3),
+                "at_seconds": round(since, 3),
+                "seconds": round(span, 3),
                 "bytes_per_s": round(rate, 1),
+                "tensors_per_s": round(tensor_rate, 1),
             }
-        self.last_progress = (now, done)
+        self.last_progress = (reading, done, tensors)
         self.next_progress = now + self.progress
         opened = self._opened()
         emit(
@@ -341,10 +382,12 @@ class Watched:
         )
 
     def _resumed(self, now: float) -> None:
-        assert self.stalled_since is not None
-        lasted = now - self.stalled_since
+        with self.resuming:
+            since, self.stalled_since = self.stalled_since, None
+        if since is None:  # said already, by the other thread
+            return
+        lasted = now - since
         self.longest_stall = max(self.longest_stall, lasted)
-        self.stalled_since = None
         emit(
             "hybrid_draft.load_resumed",
             sink=self.sink,
@@ -353,9 +396,12 @@ class Watched:
             tensors=self.cost.tensors or 0,
         )
 
-    def _stop(self, now: float, quiet: float, read: int | None) -> None:
-        """The bound reached: a first load's thread is asked to raise :class:`LoadStalled`;
-        a reload or an update is only said to be past it."""
+    def _stop(self, quiet: float, read: int | None) -> None:
+        """The bound reached (the watch's lock held, the load still watched and still
+        quiet): a first load whose loader waits between reads has its thread asked to raise
+        :class:`LoadStalled`; a load whose loader waits inside its library (the exception
+        would land only once the read returned, whole), a reload or an update is only said
+        to be past it."""
         self.stop_asked = True
         waiting = self.where.get("waiting_on")
         named = waiting if isinstance(waiting, str) else ", ".join(map(str, waiting or []))
@@ -363,16 +409,18 @@ class Watched:
             f"{named or 'the load'}: read nothing for {quiet:.0f} s (load_timeout "
             f"{self.timeout:g} s): {self.where.get('answer', '')}; {self.where.get('retries', '')}"
         )
-        if self.trigger == "load":
+        stopping = self.trigger == "load" and self.stoppable
+        if stopping:
             stalled = type("LoadStalled", (LoadStalled,), {"message": message})
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(self.thread), ctypes.py_object(stalled)
             )
+            self.queued = True
         self._say_stalled(
             "error",
             quiet,
             read,
-            action="stopping" if self.trigger == "load" else "not_stopped",
+            action="stopping" if stopping else "not_stopped",
             detail=message
             + (f"; {self.stop_note}" if self.stop_note else "; it stops at its next tensor"),
         )
@@ -410,11 +458,28 @@ def start(watched: Watched) -> Watched:
 
 
 def stop(watched: Watched) -> None:
-    """No longer watch ``watched`` (the thread ends with the last load)."""
+    """No longer watch ``watched`` (the thread ends with the last load); a stop the watcher
+    asked of its thread and that has not landed yet is taken back: the load is over."""
     with _LOCK:
         if watched in _LOADS:
             _LOADS.remove(watched)
+        if watched.queued:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(watched.thread), None)
+            watched.queued = False
         _LOCK.notify_all()
+    # A stall the load came out of before the watcher looked again (it then ended at once).
+    moved = (watched.cost.network, watched.cost.tensors) != watched.signature[1:]
+    if watched.stalled_since is not None and moved:
+        watched._resumed(time.monotonic())
+
+
+def _stop_if_still_stalled(watched: Watched, quiet: float, read: int | None) -> None:
+    """``watched`` past its ``load_timeout``: stopped only if it is still watched (not ended
+    meanwhile) and still quiet now, checked under the lock :func:`stop` takes."""
+    with _LOCK:
+        if watched not in _LOADS or not watched.still_quiet():
+            return
+        watched._stop(quiet, read)
 
 
 def _run() -> None:

@@ -205,7 +205,7 @@ def _direct(runner: Any, weights: list[tuple[str, Any]], way: str) -> dict[str, 
         updated = time.perf_counter()
         served = vars(runner).get(direct.ATTR)
         update = served.update if isinstance(served, direct.Served) else None
-        passing = update.passing if update is not None else None
+        step = update.step if update is not None else None
         if per_tensor:
             runner.execute_model(SchedulerOutput.make_empty())
         else:
@@ -216,9 +216,9 @@ def _direct(runner: Any, weights: list[tuple[str, Any]], way: str) -> dict[str, 
         "update_seconds": updated - began,
         "finish_seconds": done - updated,
         "seconds": done - began,
-        "draft_call_seconds": passing.seconds if passing is not None else 0.0,
+        "draft_call_seconds": step.seconds if step is not None else 0.0,
         # The calls' seconds less the draft's loads inside them: the target's part.
-        "target_seconds": updated - began - (passing.seconds if passing is not None else 0.0),
+        "target_seconds": updated - began - (step.seconds if step is not None else 0.0),
         "sent_bytes": sum(t.numel() * t.element_size() for _, t in weights),
     }
 
