@@ -10,6 +10,8 @@ tensors with safetensors.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -699,3 +701,47 @@ def child_pytest(
         text=True,
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def failing_commit(runner: Any, which: str) -> Iterator[None]:
+    """vLLM failing once, part way through the commit of ``runner``'s draft: ``placing``,
+    at the second of the draft's own layers placed into its storage; ``finalize``, right
+    after the draft's attention layer has been processed (MLA's W_UK_T and W_UV derived from
+    the new weights, in place)."""
+    from hybrid_draft.adapter import internals
+
+    draft = runner.get_draft_model()
+    if which == "placing":
+        import vllm.model_executor.model_loader.reload.layerwise as layerwise
+
+        own = set(draft.modules()) - set(runner.get_model().modules())
+        real = layerwise._place_kernel_tensors
+        count = [0]
+
+        @functools.wraps(real)
+        def place(layer: Any, info: Any) -> None:
+            count[0] += layer in own
+            if count[0] == 2 and layer in own:
+                raise RuntimeError("placing the draft's second layer failed")
+            real(layer, info)
+
+        layerwise._place_kernel_tensors = place
+        try:
+            yield
+        finally:
+            layerwise._place_kernel_tensors = real
+        return
+    (attention,) = [m for m in draft.modules() if internals.is_deferred_attention(m)]
+    real_process = attention.process_weights_after_loading
+
+    def process(*args: Any, **kwargs: Any) -> Any:
+        del attention.process_weights_after_loading  # the next one is vLLM's own again
+        real_process(*args, **kwargs)
+        raise RuntimeError("finalize failed after the attention's processing")
+
+    attention.process_weights_after_loading = process
+    try:
+        yield
+    finally:
+        vars(attention).pop("process_weights_after_loading", None)

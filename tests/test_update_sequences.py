@@ -32,7 +32,6 @@ vLLM's own load and processing of those tensors give a second draft of the same 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import random
@@ -57,6 +56,7 @@ from hypothesis.stateful import (
 from conftest import (
     checkpoint_tensors,
     engine_config,
+    failing_commit,
     load_target_and_draft,
     model_runner,
     reload_weights,
@@ -519,7 +519,7 @@ class Sequences(RuleBasedStateMachine):
         """The step's end decides to commit, and vLLM fails part way through it: placing the
         second processed draft layer into its storage, or its finalize after the attention
         processing has run (on the new weights)."""
-        with _failing_commit(self.served.runner.get_draft_model(), which):
+        with failing_commit(self.served.runner, which):
             self._end(how)
         self.rules.end(commit_fails=True)
 
@@ -572,45 +572,6 @@ class Sequences(RuleBasedStateMachine):
             disarm()
         with self._configured(), contextlib.suppress(AttributeError):
             self.served.runner.execute_model(SchedulerOutput.make_empty())
-
-
-@contextlib.contextmanager
-def _failing_commit(draft: Any, which: str) -> Iterator[None]:
-    """vLLM failing once, part way through the draft's commit."""
-    if which == "placing":
-        import vllm.model_executor.model_loader.reload.layerwise as layerwise
-
-        real = layerwise._place_kernel_tensors
-        count = [0]
-
-        @functools.wraps(real)
-        def place(layer: Any, info: Any) -> None:
-            count[0] += 1
-            if count[0] == 2:
-                raise RuntimeError("placing the draft's second layer failed")
-            real(layer, info)
-
-        layerwise._place_kernel_tensors = place
-        try:
-            yield
-        finally:
-            layerwise._place_kernel_tensors = real
-        return
-    from hybrid_draft.adapter import internals
-
-    (attention,) = [m for m in draft.modules() if internals.is_deferred_attention(m)]
-    real_process = attention.process_weights_after_loading
-
-    def process(*args: Any, **kwargs: Any) -> Any:
-        del attention.process_weights_after_loading  # the next one is vLLM's own again
-        real_process(*args, **kwargs)
-        raise RuntimeError("finalize failed after the attention's processing")
-
-    attention.process_weights_after_loading = process
-    try:
-        yield
-    finally:
-        vars(attention).pop("process_weights_after_loading", None)
 
 
 def _read(path: Path) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from conftest import (
     checkpoint_tensors,
     draft_tensors,
     engine_config,
+    failing_commit,
     load_target_and_draft,
     model_runner,
     params,
@@ -427,49 +428,20 @@ def test_a_session_whose_commit_fails_leaves_the_draft_whole(
     step2: Path,
     events: Events,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The session brought the whole MTP layer; then vLLM fails part way through the
     draft's commit: placing the second processed layer into its storage, or its finalize
     after it derived MLA's W_UK_T and W_UV from the new kv_b_proj in place. Every draft
     layer holds the previous step, in the same tensors, and the draft's ``load_failed`` says
     why; the target's session has ended ``loaded``."""
-    import vllm.model_executor.model_loader.reload.layerwise as layerwise
-
-    from hybrid_draft.adapter import internals
-
     draft = runner.get_draft_model()
     before, objects = own_state(runner), tensors_of(draft)
-    if where == "placing the second layer":
-        real = layerwise._place_kernel_tensors
-        count = [0]
-        drafts = set(draft.modules()) - set(runner.get_model().modules())
+    trainer = Trainer(runner, tmp_path)
+    trainer.start()
+    trainer.send(checkpoint_tensors(step2))
 
-        def place(layer: Any, info: Any) -> None:
-            count[0] += layer in drafts
-            if count[0] == 2 and layer in drafts:
-                raise RuntimeError("placing the draft's second layer failed")
-            real(layer, info)
-
-        trainer = Trainer(runner, tmp_path)
-        trainer.start()
-        trainer.send(checkpoint_tensors(step2))
-        monkeypatch.setattr(layerwise, "_place_kernel_tensors", place)
-    else:
-        (attention,) = [m for m in draft.modules() if internals.is_deferred_attention(m)]
-        real_process = attention.process_weights_after_loading
-
-        def processed_then_failed(*args: Any, **kwargs: Any) -> None:
-            del attention.process_weights_after_loading  # vLLM's own from here on
-            real_process(*args, **kwargs)
-            raise RuntimeError("finalize failed after the attention's processing")
-
-        trainer = Trainer(runner, tmp_path)
-        trainer.start()
-        trainer.send(checkpoint_tensors(step2))
-        attention.process_weights_after_loading = processed_then_failed
-
-    trainer.worker.finish_weight_update()
+    with failing_commit(runner, "placing" if where.startswith("placing") else "finalize"):
+        trainer.worker.finish_weight_update()
 
     assert tensors_of(draft) == objects
     assert own_differing(runner, before) == []
