@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -479,6 +480,32 @@ def test_scripts_test_records_the_host_first_sets_it_up_next_and_compares_it_las
     assert text.index('HOST_TMP_BEFORE=$(ls -A "$HOST_TMP")') < text.index("RUN_TMP=$(mktemp")
     for script in ("scripts/test", "scripts/image-test", "scripts/cpu-env.sh"):
         assert not [line for line in _code(script) if "apt-get" in line], script
+
+
+def test_the_commands_exit_status_is_its_steps_whatever_its_end_trap_meets(
+    tmp_path: Path,
+) -> None:
+    """scripts/test runs under ``set -e``: its end trap (killing its background jobs, removing
+    the run's folder) must neither fail a passed run nor pass a failed one, the jobs long
+    ended or none started. Each trap of the command, run as the command runs it."""
+    traps = [
+        m.group(1) for line in _code("scripts/test") if (m := re.match(r"^trap '(.*)' EXIT$", line))
+    ]
+    assert len(traps) == 1, traps
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    for jobs in (f"({ended.pid})", "()"):
+        for status in (0, 3):
+            run_tmp = tmp_path / f"run-{len(jobs)}-{status}"
+            run_tmp.mkdir()
+            (run_tmp / "left").write_text("x")
+            script = (
+                f"set -euo pipefail; background={jobs}; RUN_TMP={run_tmp}; "
+                f"trap {shlex.quote(traps[0])} EXIT; exit {status}"
+            )
+            proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+            assert proc.returncode == status, (jobs, status, proc.stderr)
+            assert not run_tmp.exists(), (jobs, status)
 
 
 def test_the_set_up_step_adds_no_apt_source_and_installs_from_no_other_release() -> None:

@@ -232,12 +232,13 @@ def test_a_load_that_waits_inside_its_library_is_never_stopped_part_way(
 
     target_of(deepseek)
 
+    # The held read is one stall (a busy host may add a short one elsewhere: never a bound).
     (bound,) = [e for e in events.named(STALLED) if e.get("action")]
     assert (bound["action"], bound["stoppable"]) == ("not_stopped", False)
     assert "InstantTensor reads in its C++ library" in bound["detail"]
     assert events.named("hybrid_draft.load_failed") == []
     (loaded,) = events.named("hybrid_draft.loaded")
-    assert (loaded["role"], loaded["stalls"]) == ("target", 1)
+    assert loaded["role"] == "target" and loaded["stalls"] >= 1
 
 
 def test_a_load_that_moves_again_while_the_watcher_asks_is_never_stopped_afterwards(
@@ -266,10 +267,11 @@ def test_a_load_that_moves_again_while_the_watcher_asks_is_never_stopped_afterwa
     while time.monotonic() < until:  # where a stop queued for this thread would land
         time.sleep(0.01)
 
-    assert [e.get("action") for e in events.named(STALLED)] == [None]
+    stalls = events.named(STALLED)
+    assert stalls and [e.get("action") for e in stalls] == [None] * len(stalls), stalls
     assert events.named("hybrid_draft.load_failed") == []
     (loaded,) = events.named("hybrid_draft.loaded")
-    assert (loaded["role"], loaded["stalls"]) == ("target", 1)
+    assert loaded["role"] == "target" and loaded["stalls"] >= 1
 
 
 def test_a_reload_past_its_load_timeout_is_said_and_never_stopped_part_way(
