@@ -482,30 +482,61 @@ def test_scripts_test_records_the_host_first_sets_it_up_next_and_compares_it_las
         assert not [line for line in _code(script) if "apt-get" in line], script
 
 
-def test_the_commands_exit_status_is_its_steps_whatever_its_end_trap_meets(
-    tmp_path: Path,
-) -> None:
-    """scripts/test runs under ``set -e``: its end trap (killing its background jobs, removing
-    the run's folder) must neither fail a passed run nor pass a failed one, the jobs long
-    ended or none started. Each trap of the command, run as the command runs it."""
-    traps = [
-        m.group(1) for line in _code("scripts/test") if (m := re.match(r"^trap '(.*)' EXIT$", line))
-    ]
-    assert len(traps) == 1, traps
-    ended = subprocess.Popen(["true"])
-    ended.wait()
-    for jobs in (f"({ended.pid})", "()"):
-        for status in (0, 3):
-            run_tmp = tmp_path / f"run-{len(jobs)}-{status}"
+def _traps(script: str) -> dict[str, list[str]]:
+    """Each ``trap '...' SIGNALS`` of ``script``, by its signals."""
+    found: dict[str, list[str]] = {}
+    for line in _code(script):
+        if m := re.match(r"^\s*trap '(.*)' ([A-Z ]+?)(\s+#.*)?$", line):
+            found.setdefault(m.group(2), []).append(m.group(1))
+    return found
+
+
+def test_the_commands_exit_status_is_its_steps_whatever_its_traps_meet(tmp_path: Path) -> None:
+    """scripts/test runs under ``set -e``: its traps (ending its jobs, removing the run's
+    folder) must neither fail a passed run nor pass a failed one, whether its jobs still run,
+    ended long ago or never started; a job still running is ended. Each trap of the command,
+    run as the command runs it: the end's keeps the steps' exit status, an INT or TERM's
+    ends the run with 143."""
+    traps = _traps("scripts/test")
+    assert len(traps["EXIT"]) == 1 and len(traps["INT TERM"]) == 2, traps
+    cases = [("EXIT", traps["EXIT"][0], status) for status in (0, 3)]
+    cases += [("INT TERM", body, 143) for body in traps["INT TERM"]]
+    for n, (signals, body, expected) in enumerate(cases):
+        for jobs in ("running", "ended", "none"):
+            run_tmp = tmp_path / f"run-{n}-{jobs}"
             run_tmp.mkdir()
             (run_tmp / "left").write_text("x")
+            pid_file = tmp_path / f"pid-{n}-{jobs}"
+            started = {
+                "running": f"sleep 60 & echo $! > {pid_file};",
+                "ended": "true & wait $!;",
+                "none": "",
+            }[jobs]
+            end = f"exit {expected}" if signals == "EXIT" else "kill -TERM $$; sleep 5; exit 9"
             script = (
-                f"set -euo pipefail; background={jobs}; RUN_TMP={run_tmp}; "
-                f"trap {shlex.quote(traps[0])} EXIT; exit {status}"
+                f"set -euo pipefail; RUN_TMP={run_tmp}; {started} "
+                f"trap {shlex.quote(body)} {signals}; {end}"
             )
-            proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
-            assert proc.returncode == status, (jobs, status, proc.stderr)
-            assert not run_tmp.exists(), (jobs, status)
+            proc = subprocess.run(  # a job left running holds the output open: past 90 s, a failure
+                ["bash", "-c", script], capture_output=True, text=True, timeout=90
+            )
+            assert proc.returncode == expected, (signals, body, jobs, proc.stderr)
+            if signals == "EXIT":
+                assert not run_tmp.exists(), (body, jobs)
+            if jobs == "running":
+                pid = int(pid_file.read_text())
+                deadline = time.monotonic() + 10
+                while _alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert not _alive(pid), (signals, body, "the job still runs")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped by init, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
 
 
 def test_the_set_up_step_adds_no_apt_source_and_installs_from_no_other_release() -> None:
