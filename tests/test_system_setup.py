@@ -494,41 +494,52 @@ def _traps(script: str) -> dict[str, list[str]]:
 def test_the_commands_exit_status_is_its_steps_whatever_its_traps_meet(tmp_path: Path) -> None:
     """scripts/test runs under ``set -e``: its traps (ending its jobs, removing the run's
     folder) must neither fail a passed run nor pass a failed one, whether its jobs still run,
-    ended long ago or never started; a job still running is ended. Each trap of the command,
-    run as the command runs it: the end's keeps the steps' exit status, an INT or TERM's
-    ends the run with 143."""
+    ended (waited on or not) or never started; a job still running is ended, and no pid of a
+    job that ended is signalled (the system may have given it to another process). Each trap
+    of the command, run as the command runs it (a script file, ``kill`` watched): the end's
+    keeps the steps' exit status, an INT or TERM's ends the run with 143."""
     traps = _traps("scripts/test")
     assert len(traps["EXIT"]) == 1 and len(traps["INT TERM"]) == 2, traps
     cases = [("EXIT", traps["EXIT"][0], status) for status in (0, 3)]
     cases += [("INT TERM", body, 143) for body in traps["INT TERM"]]
     for n, (signals, body, expected) in enumerate(cases):
-        for jobs in ("running", "ended", "none"):
-            run_tmp = tmp_path / f"run-{n}-{jobs}"
+        for jobs in ("running", "ended", "ended, never waited on", "none"):
+            case = tmp_path / f"case-{n}-{jobs.replace(' ', '-').replace(',', '')}"
+            case.mkdir()
+            run_tmp = case / "run"
             run_tmp.mkdir()
             (run_tmp / "left").write_text("x")
-            pid_file = tmp_path / f"pid-{n}-{jobs}"
             started = {
-                "running": f"sleep 60 & echo $! > {pid_file};",
+                "running": f"sleep 60 & echo $! > {case}/pid;",
                 "ended": "true & wait $!;",
+                "ended, never waited on": f"sleep 0.1 & echo $! > {case}/pid; sleep 1;",
                 "none": "",
             }[jobs]
             end = f"exit {expected}" if signals == "EXIT" else "kill -TERM $$; sleep 5; exit 9"
-            script = (
-                f"set -euo pipefail; RUN_TMP={run_tmp}; {started} "
-                f"trap {shlex.quote(body)} {signals}; {end}"
+            script = case / "script.sh"
+            script.write_text(
+                "set -euo pipefail\n"
+                f'kill() {{ echo "$@" >> {case}/signalled; command kill "$@"; }}\n'
+                f"RUN_TMP={run_tmp}\n{started}\n"
+                f"trap {shlex.quote(body)} {signals}\n{end}\n"
             )
             proc = subprocess.run(  # a job left running holds the output open: past 90 s, a failure
-                ["bash", "-c", script], capture_output=True, text=True, timeout=90
+                ["bash", str(script)], capture_output=True, text=True, timeout=90
             )
             assert proc.returncode == expected, (signals, body, jobs, proc.stderr)
             if signals == "EXIT":
                 assert not run_tmp.exists(), (body, jobs)
+            signalled = (case / "signalled").read_text() if (case / "signalled").exists() else ""
             if jobs == "running":
-                pid = int(pid_file.read_text())
+                pid = int((case / "pid").read_text())
+                assert str(pid) in signalled.split(), (signals, body, signalled)
                 deadline = time.monotonic() + 10
                 while _alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 assert not _alive(pid), (signals, body, "the job still runs")
+            elif jobs == "ended, never waited on":
+                pid = int((case / "pid").read_text())
+                assert str(pid) not in signalled.split(), (signals, body, signalled)
 
 
 def _alive(pid: int) -> bool:
