@@ -36,6 +36,7 @@ from conftest import (
     checkpoint_tensors,
     draft_tensors,
     engine_config,
+    failing_commit,
     load_target_and_draft,
     model_runner,
     reload_weights,
@@ -653,6 +654,7 @@ def test_a_failing_step_of_the_staging_leaves_the_draft_as_it_was(
     runner = runner_of(deepseek)
     draft = runner.get_draft_model()
     before, objects = own_state(runner), tensors_of(draft)
+    failing: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if step == "finalize":
         for name in ("finalize_layerwise_reload", "finalize_layerwise_processing"):
 
@@ -662,22 +664,13 @@ def test_a_failing_step_of_the_staging_leaves_the_draft_as_it_was(
             monkeypatch.setattr(layerwise, name, broken)
     elif step == "finalize_part_way":  # vLLM's own finalize runs, derives MLA's W_UK_T and
         # W_UV from the new kv_b_proj in place, then fails
-        from hybrid_draft.adapter import internals
-
-        (attention,) = [m for m in draft.modules() if internals.is_deferred_attention(m)]
-        real = attention.process_weights_after_loading
-
-        def processed_then_failed(*args: Any, **kwargs: Any) -> None:
-            monkeypatch.undo()  # vLLM's own from here on
-            real(*args, **kwargs)
-            raise RuntimeError("finalize failed after the attention's processing")
-
-        monkeypatch.setattr(attention, "process_weights_after_loading", processed_then_failed)
+        failing = failing_commit(runner, "finalize")
     else:
         _failing_on(layerwise, step, call, monkeypatch)
 
-    trainers.openrlhf(runner, checkpoint_tensors(step2))
-    next_step(runner)
+    with failing:
+        trainers.openrlhf(runner, checkpoint_tensors(step2))
+        next_step(runner)
 
     assert tensors_of(draft) == objects
     assert own_differing(runner, before) == []

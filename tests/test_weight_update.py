@@ -421,9 +421,13 @@ def test_until_the_session_ends_the_draft_is_as_it_was_and_a_failed_session_leav
     assert (kept["action"], kept["reason"], kept["level"]) == ("kept", "target_failed", "warning")
 
 
-@pytest.mark.parametrize("where", ["placing the second layer", "finalize after the attention"])
+@pytest.mark.parametrize(
+    "which",
+    ["placing", "finalize"],
+    ids=["placing the second layer", "finalize after the attention"],
+)
 def test_a_session_whose_commit_fails_leaves_the_draft_whole(
-    where: str,
+    which: str,
     runner: Any,
     step2: Path,
     events: Events,
@@ -440,7 +444,7 @@ def test_a_session_whose_commit_fails_leaves_the_draft_whole(
     trainer.start()
     trainer.send(checkpoint_tensors(step2))
 
-    with failing_commit(runner, "placing" if where.startswith("placing") else "finalize"):
+    with failing_commit(runner, which):
         trainer.worker.finish_weight_update()
 
     assert tensors_of(draft) == objects
